@@ -1,0 +1,13 @@
+# Every dependency comes from Debian 12 packages (scripts/install-deps.sh installs them).
+find_package(Threads REQUIRED)
+find_package(nlohmann_json 3.11 REQUIRED)
+find_package(fmt REQUIRED)
+find_package(spdlog REQUIRED)
+find_package(CLI11 REQUIRED)
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
+pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
+if(MOELORA_BUILD_TESTS)
+  find_package(GTest REQUIRED)
+endif()
+find_package(benchmark QUIET)

@@ -1,0 +1,260 @@
+#include "backends/cpu/cpu_backend.h"
+
+#include <cstring>
+
+#include "backends/cpu/cpu_ops.h"
+#include "core/check.h"
+
+namespace moelora {
+
+Tensor weight_to_f32(const Tensor& w, const Tensor& scale_inv, int block_out, int block_in, int split_rows) {
+  MOELORA_CHECK(w.ndim() == 2);
+  if (w.dtype() != DType::kF8E4M3) return to_f32(w);
+  MOELORA_CHECK_MSG(scale_inv.defined(), "FP8 weight without scale_inv");
+  Tensor scale = to_f32(scale_inv);
+  Tensor out = Tensor::empty_host(DType::kF32, w.shape());
+  cpu::dequantize_fp8_block(w.ptr<uint8_t>(), static_cast<int>(w.dim(0)), static_cast<int>(w.dim(1)),
+                            scale.ptr<float>(), block_out, block_in, split_rows, out.ptr<float>());
+  return out;
+}
+
+Tensor CpuBackend::upload(const Tensor& host, DType dtype) {
+  MOELORA_CHECK_MSG(dtype == DType::kF32 || !is_float_dtype(host.dtype()), "CPU backend keeps floats as f32");
+  if (is_float_dtype(host.dtype())) return to_f32(host);
+  Tensor out = Tensor::empty_host(host.dtype(), host.shape());
+  std::memcpy(out.data(), host.data(), host.nbytes());
+  return out;
+}
+
+LinearWeight CpuBackend::upload_linear(const Tensor& w, const Tensor& scale_inv, int block_out, int block_in) {
+  LinearWeight lw;
+  lw.w = weight_to_f32(w, scale_inv, block_out, block_in);
+  lw.out = static_cast<int>(w.dim(0));
+  lw.in = static_cast<int>(w.dim(1));
+  lw.block_out = block_out;
+  lw.block_in = block_in;
+  return lw;
+}
+
+ExpertWeights CpuBackend::upload_experts(const std::vector<Tensor>& gate, const std::vector<Tensor>& gate_scale,
+                                         const std::vector<Tensor>& up, const std::vector<Tensor>& up_scale,
+                                         const std::vector<Tensor>& down, const std::vector<Tensor>& down_scale,
+                                         int block_out, int block_in) {
+  ExpertWeights ew;
+  ew.num_experts = static_cast<int>(gate.size());
+  ew.intermediate = static_cast<int>(gate[0].dim(0));
+  ew.hidden = static_cast<int>(gate[0].dim(1));
+  const int E = ew.num_experts, H = ew.hidden, I = ew.intermediate;
+  Tensor gu = Tensor::empty_host(DType::kF32, {static_cast<int64_t>(E) * 2 * I, H});
+  Tensor dn = Tensor::empty_host(DType::kF32, {static_cast<int64_t>(E) * H, I});
+  auto scale_of = [](const std::vector<Tensor>& s, int e) { return s.empty() ? Tensor() : s[e]; };
+  for (int e = 0; e < E; ++e) {
+    Tensor g = weight_to_f32(gate[e], scale_of(gate_scale, e), block_out, block_in);
+    Tensor u = weight_to_f32(up[e], scale_of(up_scale, e), block_out, block_in);
+    Tensor d = weight_to_f32(down[e], scale_of(down_scale, e), block_out, block_in);
+    float* dst = gu.ptr<float>() + static_cast<int64_t>(e) * 2 * I * H;
+    std::memcpy(dst, g.data(), g.nbytes());
+    std::memcpy(dst + static_cast<int64_t>(I) * H, u.data(), u.nbytes());
+    std::memcpy(dn.ptr<float>() + static_cast<int64_t>(e) * H * I, d.data(), d.nbytes());
+  }
+  ew.gate_up.w = gu;
+  ew.gate_up.out = 2 * I * E;
+  ew.gate_up.in = H;
+  ew.down.w = dn;
+  ew.down.out = H * E;
+  ew.down.in = I;
+  return ew;
+}
+
+KvLayer CpuBackend::alloc_kv_layer(int num_pages, int page_size, int kv_heads, int k_head_dim, int v_head_dim) {
+  KvLayer kv;
+  kv.page_size = page_size;
+  kv.kv_heads = kv_heads;
+  kv.k_head_dim = k_head_dim;
+  kv.v_head_dim = v_head_dim;
+  kv.k = Tensor::empty_host(DType::kF32, {num_pages, page_size, static_cast<int64_t>(kv_heads) * k_head_dim});
+  kv.v = Tensor::empty_host(DType::kF32, {num_pages, page_size, static_cast<int64_t>(kv_heads) * v_head_dim});
+  return kv;
+}
+
+LoraModuleTable CpuBackend::alloc_lora_table(int num_slots, int in, int out) {
+  LoraModuleTable t;
+  t.num_slots = num_slots;
+  t.in = in;
+  t.out = out;
+  t.a_ptrs = Tensor::empty_host(DType::kI64, {num_slots});
+  t.b_ptrs = Tensor::empty_host(DType::kI64, {num_slots});
+  t.ranks = Tensor::empty_host(DType::kI32, {num_slots});
+  t.host_rank.assign(num_slots, 0);
+  return t;
+}
+
+MoeLoraTable CpuBackend::alloc_moe_lora_table(int num_slots, int num_experts, int hidden, int intermediate) {
+  MoeLoraTable t;
+  t.num_slots = num_slots;
+  t.num_experts = num_experts;
+  t.hidden = hidden;
+  t.intermediate = intermediate;
+  for (Tensor* p : {&t.gu_a, &t.gu_a_expert_stride, &t.gu_b, &t.gu_b_expert_stride, &t.d_a,
+                    &t.d_a_expert_stride, &t.d_b, &t.d_b_expert_stride})
+    *p = Tensor::empty_host(DType::kI64, {num_slots});
+  t.gu_rank = Tensor::empty_host(DType::kI32, {num_slots});
+  t.d_rank = Tensor::empty_host(DType::kI32, {num_slots});
+  t.host_gu_rank.assign(num_slots, 0);
+  t.host_d_rank.assign(num_slots, 0);
+  return t;
+}
+
+void CpuBackend::set_lora_slot(LoraModuleTable& t, int slot, const Tensor& a, const Tensor& b, int rank) {
+  MOELORA_CHECK(slot >= 0 && slot < t.num_slots);
+  t.a_ptrs.ptr<int64_t>()[slot] = rank ? reinterpret_cast<int64_t>(a.data()) : 0;
+  t.b_ptrs.ptr<int64_t>()[slot] = rank ? reinterpret_cast<int64_t>(b.data()) : 0;
+  t.ranks.ptr<int32_t>()[slot] = rank;
+  t.host_rank[slot] = rank;
+}
+
+void CpuBackend::set_moe_lora_slot(MoeLoraTable& t, int slot, const MoeLoraSlot& s) {
+  MOELORA_CHECK(slot >= 0 && slot < t.num_slots);
+  auto put = [slot](Tensor& tab, int64_t v) { tab.ptr<int64_t>()[slot] = v; };
+  put(t.gu_a, s.gu_rank ? reinterpret_cast<int64_t>(s.gu_a.data()) : 0);
+  put(t.gu_b, s.gu_rank ? reinterpret_cast<int64_t>(s.gu_b.data()) : 0);
+  put(t.gu_a_expert_stride, s.gu_a_stride);
+  put(t.gu_b_expert_stride, s.gu_b_stride);
+  put(t.d_a, s.d_rank ? reinterpret_cast<int64_t>(s.d_a.data()) : 0);
+  put(t.d_b, s.d_rank ? reinterpret_cast<int64_t>(s.d_b.data()) : 0);
+  put(t.d_a_expert_stride, s.d_a_stride);
+  put(t.d_b_expert_stride, s.d_b_stride);
+  t.gu_rank.ptr<int32_t>()[slot] = s.gu_rank;
+  t.d_rank.ptr<int32_t>()[slot] = s.d_rank;
+  t.host_gu_rank[slot] = s.gu_rank;
+  t.host_d_rank[slot] = s.d_rank;
+}
+
+void CpuBackend::begin_step(const StepBatch& batch) {
+  batch_ = batch;
+  scratch_.clear();
+}
+
+Tensor CpuBackend::alloc(int64_t rows, int64_t cols, DType dtype) {
+  Tensor t = Tensor::empty_host(dtype, {rows, cols});
+  scratch_.push_back(t);
+  return t;
+}
+
+void CpuBackend::embed(const Tensor& table, Tensor out) {
+  const int64_t H = table.dim(1);
+  MOELORA_CHECK(out.cols() == H && out.rows() == batch_.num_tokens());
+  for (int t = 0; t < batch_.num_tokens(); ++t) {
+    const int id = batch_.token_ids[t];
+    MOELORA_CHECK_MSG(id >= 0 && id < table.dim(0), "token id {} outside the vocabulary", id);
+    std::memcpy(out.ptr<float>() + t * out.ld(), table.ptr<float>() + id * H, H * sizeof(float));
+  }
+}
+
+void CpuBackend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor out) {
+  cpu::rmsnorm(x.ptr<float>(), x.ld(), x.rows(), static_cast<int>(x.cols()), w.ptr<float>(),
+               static_cast<int>(w.numel()), eps, out.ptr<float>(), out.ld());
+}
+
+void CpuBackend::linear(const Tensor& x, const LinearWeight& w, const LoraModuleTable* lora, Tensor out) {
+  MOELORA_CHECK_MSG(x.cols() == w.in && out.cols() == w.out && x.rows() == out.rows(),
+                    "linear: x {} W [{}, {}] out {}", x.shape_string(), w.out, w.in, out.shape_string());
+  cpu::linear(x.ptr<float>(), x.ld(), x.rows(), w.w.ptr<float>(), w.out, w.in, out.ptr<float>(), out.ld());
+  if (lora != nullptr) {
+    MOELORA_CHECK(x.rows() == batch_.num_tokens());
+    cpu::lora_add(x.ptr<float>(), x.ld(), x.rows(), batch_.token_slot.data(), *lora, out.ptr<float>(), out.ld());
+  }
+}
+
+void CpuBackend::rope(Tensor x, int heads, int head_stride, int rot_offset, const RopeTable& rope) {
+  cpu::rope(x.ptr<float>(), x.ld(), x.rows(), batch_.positions.data(), heads, head_stride, rot_offset, rope);
+}
+
+void CpuBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, KvLayer& kv, int heads,
+                           float scale, Tensor out) {
+  cpu::AttentionArgs a{q.ptr<float>(), q.ld(), k.ptr<float>(), k.ld(), v.ptr<float>(), v.ld(),
+                       out.ptr<float>(), out.ld(), q.rows(), heads, scale, batch_.positions.data(),
+                       batch_.token_seq.data(), &batch_};
+  cpu::attention(a, kv);
+}
+
+void CpuBackend::silu_mul(const Tensor& gate, const Tensor& up, Tensor out) {
+  cpu::silu_mul(gate.ptr<float>(), gate.ld(), up.ptr<float>(), up.ld(), gate.rows(),
+                static_cast<int>(gate.cols()), out.ptr<float>(), out.ld());
+}
+
+void CpuBackend::add(const Tensor& x, Tensor inout) {
+  MOELORA_CHECK(x.rows() == inout.rows() && x.cols() == inout.cols());
+  for (int64_t r = 0; r < x.rows(); ++r)
+    for (int64_t c = 0; c < x.cols(); ++c) inout.ptr<float>()[r * inout.ld() + c] += x.ptr<float>()[r * x.ld() + c];
+}
+
+void CpuBackend::router_logits(const Tensor& x, const LinearWeight& gate, Tensor out) {
+  cpu::linear(x.ptr<float>(), x.ld(), x.rows(), gate.w.ptr<float>(), gate.out, gate.in, out.ptr<float>(),
+              out.ld());
+}
+
+void CpuBackend::topk_softmax(const Tensor& logits, int k, bool renormalize, Tensor ids, Tensor weights) {
+  cpu::topk_softmax(logits.ptr<float>(), logits.rows(), static_cast<int>(logits.cols()), k, renormalize,
+                    ids.ptr<int32_t>(), weights.ptr<float>());
+}
+
+void CpuBackend::topk_sigmoid_grouped(const Tensor& logits, const Tensor& bias, int k, int n_group,
+                                      int topk_group, bool renormalize, float scaling, Tensor ids,
+                                      Tensor weights) {
+  cpu::topk_sigmoid_grouped(logits.ptr<float>(), bias.ptr<float>(), logits.rows(),
+                            static_cast<int>(logits.cols()), k, n_group, topk_group, renormalize, scaling,
+                            ids.ptr<int32_t>(), weights.ptr<float>());
+}
+
+void CpuBackend::moe(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,
+                     const MoeLoraTable* lora, Tensor out) {
+  cpu::MoeArgs a;
+  a.x = x.ptr<float>();
+  a.ldx = x.ld();
+  a.T = x.rows();
+  a.k = static_cast<int>(ids.cols());
+  a.ids = ids.ptr<int32_t>();
+  a.weights = weights.ptr<float>();
+  a.slot = batch_.token_slot.data();
+  a.w_gate_up = experts.gate_up.w.ptr<float>();
+  a.w_down = experts.down.w.ptr<float>();
+  a.E = experts.num_experts;
+  a.H = experts.hidden;
+  a.I = experts.intermediate;
+  a.lora = lora;
+  a.out = out.ptr<float>();
+  a.ldo = out.ld();
+  cpu::moe(a);
+}
+
+void CpuBackend::gather_logit_rows(const Tensor& x, Tensor out) {
+  for (size_t r = 0; r < batch_.logit_rows.size(); ++r)
+    std::memcpy(out.ptr<float>() + r * out.ld(), x.ptr<float>() + batch_.logit_rows[r] * x.ld(),
+                x.cols() * sizeof(float));
+}
+
+void CpuBackend::mla_split_kv(const Tensor& kv, const Tensor& k_pe, int heads, int nope, int v_dim, Tensor k,
+                              Tensor v) {
+  const int rope = static_cast<int>(k_pe.cols());
+  for (int64_t t = 0; t < kv.rows(); ++t) {
+    const float* src = kv.ptr<float>() + t * kv.ld();
+    const float* pe = k_pe.ptr<float>() + t * k_pe.ld();
+    for (int h = 0; h < heads; ++h) {
+      float* kd = k.ptr<float>() + t * k.ld() + static_cast<int64_t>(h) * (nope + rope);
+      std::memcpy(kd, src + static_cast<int64_t>(h) * (nope + v_dim), nope * sizeof(float));
+      std::memcpy(kd + nope, pe, rope * sizeof(float));
+      std::memcpy(v.ptr<float>() + t * v.ld() + static_cast<int64_t>(h) * v_dim,
+                  src + static_cast<int64_t>(h) * (nope + v_dim) + nope, v_dim * sizeof(float));
+    }
+  }
+}
+
+Tensor CpuBackend::to_host_f32(const Tensor& t) {
+  Tensor out = Tensor::empty_host(DType::kF32, {t.rows(), t.cols()});
+  for (int64_t r = 0; r < t.rows(); ++r)
+    std::memcpy(out.ptr<float>() + r * t.cols(), t.ptr<float>() + r * t.ld(), t.cols() * sizeof(float));
+  return out;
+}
+
+}  // namespace moelora

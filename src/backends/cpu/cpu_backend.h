@@ -1,0 +1,60 @@
+// The CPU backend: the Backend interface on top of the reference ops in cpu_ops.h. Weights are
+// held as float32 (FP8 dequantised exactly at load); activations and KV cache are float32.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "ops/backend.h"
+
+namespace moelora {
+
+class CpuBackend final : public Backend {
+ public:
+  std::string name() const override { return "cpu"; }
+  Device device() const override { return Device::kCpu; }
+  DType act_dtype() const override { return DType::kF32; }
+
+  Tensor upload(const Tensor& host, DType dtype) override;
+  LinearWeight upload_linear(const Tensor& w, const Tensor& scale_inv, int block_out, int block_in) override;
+  ExpertWeights upload_experts(const std::vector<Tensor>& gate, const std::vector<Tensor>& gate_scale,
+                               const std::vector<Tensor>& up, const std::vector<Tensor>& up_scale,
+                               const std::vector<Tensor>& down, const std::vector<Tensor>& down_scale,
+                               int block_out, int block_in) override;
+  KvLayer alloc_kv_layer(int num_pages, int page_size, int kv_heads, int k_head_dim, int v_head_dim) override;
+  DType lora_dtype() const override { return DType::kF32; }
+  LoraModuleTable alloc_lora_table(int num_slots, int in, int out) override;
+  MoeLoraTable alloc_moe_lora_table(int num_slots, int num_experts, int hidden, int intermediate) override;
+  void set_lora_slot(LoraModuleTable& t, int slot, const Tensor& a, const Tensor& b, int rank) override;
+  void set_moe_lora_slot(MoeLoraTable& t, int slot, const MoeLoraSlot& s) override;
+
+  void begin_step(const StepBatch& batch) override;
+  Tensor alloc(int64_t rows, int64_t cols, DType dtype) override;
+  void embed(const Tensor& table, Tensor out) override;
+  void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor out) override;
+  void linear(const Tensor& x, const LinearWeight& w, const LoraModuleTable* lora, Tensor out) override;
+  void rope(Tensor x, int heads, int head_stride, int rot_offset, const RopeTable& rope) override;
+  void attention(const Tensor& q, const Tensor& k, const Tensor& v, KvLayer& kv, int heads, float scale,
+                 Tensor out) override;
+  void silu_mul(const Tensor& gate, const Tensor& up, Tensor out) override;
+  void add(const Tensor& x, Tensor inout) override;
+  void router_logits(const Tensor& x, const LinearWeight& gate, Tensor out) override;
+  void topk_softmax(const Tensor& logits, int k, bool renormalize, Tensor ids, Tensor weights) override;
+  void topk_sigmoid_grouped(const Tensor& logits, const Tensor& bias, int k, int n_group, int topk_group,
+                            bool renormalize, float scaling, Tensor ids, Tensor weights) override;
+  void moe(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,
+           const MoeLoraTable* lora, Tensor out) override;
+  void gather_logit_rows(const Tensor& x, Tensor out) override;
+  void mla_split_kv(const Tensor& kv, const Tensor& k_pe, int heads, int nope, int v_dim, Tensor k,
+                    Tensor v) override;
+  Tensor to_host_f32(const Tensor& t) override;
+
+ private:
+  StepBatch batch_;
+  std::vector<Tensor> scratch_;
+};
+
+// Dequantises (or widens) a checkpoint weight to float32 [out, in].
+Tensor weight_to_f32(const Tensor& w, const Tensor& scale_inv, int block_out, int block_in, int split_rows = 0);
+
+}  // namespace moelora

@@ -1,0 +1,75 @@
+// The CPU reference: every op as plain loops over float32 data with float64 accumulation.
+// This is the executable specification that the fixtures judge and that every CUDA kernel is
+// checked against (tests/ops). Keep it obvious; speed is not its job.
+//
+// Each token's result depends only on that token's inputs (and its own sequence's KV cache), so
+// a batch that mixes adapters reproduces each request run alone bit for bit.
+#pragma once
+
+#include <cstdint>
+
+#include "ops/types.h"
+
+namespace moelora::cpu {
+
+// ---- Numerics helpers
+// Row block of FP8 scale row `row` (see LinearWeight::split_rows).
+int scale_row_block(int row, int block_out, int split_rows);
+// W[i][j] = q[i][j] * scale_inv[row_block(i)][j / block_in] (see LinearWeight::split_rows).
+void dequantize_fp8_block(const uint8_t* q, int rows, int cols, const float* scale_inv, int block_out,
+                          int block_in, int split_rows, float* out);
+// Per-token, per-`group`-channel e4m3 quantisation with scale = amax / 448 (what the GPU does to
+// activations before an FP8 GEMM): q[t][c] = fp8(x[t][c] / scale[t][c / group]).
+void quantize_fp8_per_token_group(const float* x, int64_t rows, int cols, int group, uint8_t* q,
+                                  float* scales);
+
+// ---- Dense
+// y[t] = x[t] W^T for t < T;  W [out, in].
+void linear(const float* x, int64_t ldx, int64_t T, const float* w, int out, int in, float* y, int64_t ldy);
+// y[t] += B_s (A_s x[t]) for s = slot[t] >= 0 with rank > 0 in `table` (host pointers, f32).
+void lora_add(const float* x, int64_t ldx, int64_t T, const int32_t* slot, const LoraModuleTable& table,
+              float* y, int64_t ldy);
+// Groups of `group` values in each row normalised by their RMS, times w[group].
+void rmsnorm(const float* x, int64_t ldx, int64_t T, int cols, const float* w, int group, float eps,
+             float* y, int64_t ldy);
+void silu_mul(const float* gate, int64_t ldg, const float* up, int64_t ldu, int64_t T, int cols, float* out,
+              int64_t ldo);
+
+// ---- Attention
+void rope(float* x, int64_t ldx, int64_t T, const int32_t* positions, int heads, int head_stride,
+          int rot_offset, const RopeTable& rope);
+struct AttentionArgs {
+  const float* q; int64_t ldq;
+  const float* k; int64_t ldk;
+  const float* v; int64_t ldv;
+  float* out; int64_t ldo;
+  int64_t T;
+  int heads;
+  float scale;
+  const int32_t* positions;
+  const int32_t* token_seq;
+  const StepBatch* batch;  // page tables
+};
+// Writes k/v of every token into the cache, then causal attention (see Backend::attention).
+void attention(const AttentionArgs& a, KvLayer& kv);
+
+// ---- Routing and experts
+void topk_softmax(const float* logits, int64_t T, int E, int k, bool renormalize, int32_t* ids, float* w);
+void topk_sigmoid_grouped(const float* logits, const float* bias, int64_t T, int E, int k, int n_group,
+                          int topk_group, bool renormalize, float scaling, int32_t* ids, float* w);
+struct MoeArgs {
+  const float* x; int64_t ldx;
+  int64_t T;
+  int k;
+  const int32_t* ids;     // [T, k]
+  const float* weights;   // [T, k]
+  const int32_t* slot;    // [T]
+  const float* w_gate_up; // [E, 2I, H]
+  const float* w_down;    // [E, H, I]
+  int E, H, I;
+  const MoeLoraTable* lora;  // nullptr = none (host pointers, f32)
+  float* out; int64_t ldo;
+};
+void moe(const MoeArgs& a);
+
+}  // namespace moelora::cpu

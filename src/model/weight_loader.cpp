@@ -1,0 +1,184 @@
+#include "model/weight_loader.h"
+
+#include <fmt/format.h>
+
+#include "model/archs.h"
+
+namespace moelora {
+
+namespace {
+
+struct Loader {
+  const Checkpoint& ck;
+  const ModelConfig& cfg;
+  Backend& backend;
+
+  Result<Tensor> get(const std::string& name, const std::vector<int64_t>& shape) {
+    MOELORA_ASSIGN_OR_RETURN(Tensor t, ck.tensor(name));
+    if (t.shape() != shape)
+      return invalid_argument("checkpoint {}: tensor '{}' has shape {} but the config implies [{}]", ck.dir(), name,
+                              t.shape_string(), fmt::join(shape, ", "));
+    if (!is_float_dtype(t.dtype()))
+      return invalid_argument("checkpoint {}: tensor '{}' has dtype {}, not a float type", ck.dir(), name,
+                              dtype_name(t.dtype()));
+    return t;
+  }
+
+  // A linear's weight and, when the file stores it as FP8, its block scales.
+  struct Raw {
+    Tensor w, scale;
+  };
+  Result<Raw> raw_linear(const std::string& prefix, int out, int in) {
+    Raw r;
+    MOELORA_ASSIGN_OR_RETURN(r.w, get(prefix + ".weight", {out, in}));
+    const std::string sname = prefix + ".weight_scale_inv";
+    if (r.w.dtype() == DType::kF8E4M3) {
+      if (!ck.contains(sname))
+        return invalid_argument("checkpoint {}: FP8 tensor '{}.weight' has no '{}'", ck.dir(), prefix, sname);
+      const int64_t rb = (out + cfg.fp8_block_out - 1) / cfg.fp8_block_out;
+      const int64_t cb = (in + cfg.fp8_block_in - 1) / cfg.fp8_block_in;
+      MOELORA_ASSIGN_OR_RETURN(r.scale, get(sname, {rb, cb}));
+      if (r.scale.dtype() != DType::kF32 && r.scale.dtype() != DType::kBF16)
+        return invalid_argument("checkpoint {}: '{}' must be F32 or BF16, not {}", ck.dir(), sname,
+                                dtype_name(r.scale.dtype()));
+    } else if (ck.contains(sname)) {
+      return invalid_argument("checkpoint {}: '{}' exists but '{}.weight' is {}, not F8_E4M3", ck.dir(), sname,
+                              prefix, dtype_name(r.w.dtype()));
+    }
+    return r;
+  }
+
+  Result<LinearWeight> linear(const std::string& prefix, int out, int in) {
+    MOELORA_ASSIGN_OR_RETURN(Raw r, raw_linear(prefix, out, in));
+    return backend.upload_linear(r.w, r.scale, cfg.fp8_block_out, cfg.fp8_block_in);
+  }
+
+  Result<Tensor> vec(const std::string& name, int n) {
+    MOELORA_ASSIGN_OR_RETURN(Tensor t, get(name, {n}));
+    return backend.upload(t, DType::kF32);  // norms and biases stay f32 on every backend
+  }
+
+  Result<MlpWeights> mlp(const std::string& prefix, int inter) {
+    MlpWeights m;
+    const int H = cfg.hidden_size;
+    MOELORA_ASSIGN_OR_RETURN(m.gate, linear(prefix + ".gate_proj", inter, H));
+    MOELORA_ASSIGN_OR_RETURN(m.up, linear(prefix + ".up_proj", inter, H));
+    MOELORA_ASSIGN_OR_RETURN(m.down, linear(prefix + ".down_proj", H, inter));
+    return m;
+  }
+
+  Status attention(const std::string& p, AttentionWeights& a) {
+    const ModelConfig& c = cfg;
+    const int H = c.hidden_size;
+    if (!c.is_mla()) {
+      MOELORA_ASSIGN_OR_RETURN(a.q, linear(p + "q_proj", c.num_heads * c.head_dim, H));
+      MOELORA_ASSIGN_OR_RETURN(a.k, linear(p + "k_proj", c.num_kv_heads * c.head_dim, H));
+      MOELORA_ASSIGN_OR_RETURN(a.v, linear(p + "v_proj", c.num_kv_heads * c.head_dim, H));
+      MOELORA_ASSIGN_OR_RETURN(a.o, linear(p + "o_proj", H, c.num_heads * c.head_dim));
+      if (arch_naming(c.arch).qk_norm) {
+        MOELORA_ASSIGN_OR_RETURN(a.q_norm, vec(p + "q_norm.weight", c.head_dim));
+        MOELORA_ASSIGN_OR_RETURN(a.k_norm, vec(p + "k_norm.weight", c.head_dim));
+      }
+      return {};
+    }
+    const int qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+    if (c.q_lora_rank > 0) {
+      MOELORA_ASSIGN_OR_RETURN(a.q_a, linear(p + "q_a_proj", c.q_lora_rank, H));
+      MOELORA_ASSIGN_OR_RETURN(a.q_a_norm, vec(p + "q_a_layernorm.weight", c.q_lora_rank));
+      MOELORA_ASSIGN_OR_RETURN(a.q_b, linear(p + "q_b_proj", c.num_heads * qk, c.q_lora_rank));
+    } else {
+      MOELORA_ASSIGN_OR_RETURN(a.q, linear(p + "q_proj", c.num_heads * qk, H));
+    }
+    MOELORA_ASSIGN_OR_RETURN(a.kv_a, linear(p + "kv_a_proj_with_mqa", c.kv_lora_rank + c.qk_rope_head_dim, H));
+    MOELORA_ASSIGN_OR_RETURN(a.kv_a_norm, vec(p + "kv_a_layernorm.weight", c.kv_lora_rank));
+    MOELORA_ASSIGN_OR_RETURN(a.kv_b, linear(p + "kv_b_proj", c.num_heads * (c.qk_nope_head_dim + c.v_head_dim),
+                                            c.kv_lora_rank));
+    MOELORA_ASSIGN_OR_RETURN(a.o, linear(p + "o_proj", H, c.num_heads * c.v_head_dim));
+    return {};
+  }
+
+  Status moe(const std::string& layer_prefix, int l, LayerWeights& lw) {
+    const ModelConfig& c = cfg;
+    const ArchNaming& nm = arch_naming(c.arch);
+    std::string block;
+    for (const std::string& b : nm.moe_blocks)
+      if (ck.contains(layer_prefix + b + ".gate.weight")) {
+        block = layer_prefix + b;
+        break;
+      }
+    if (block.empty())
+      return invalid_argument("checkpoint {}: layer {} is a MoE layer but has no router '{}{}.gate.weight'", ck.dir(),
+                              l, layer_prefix, nm.moe_blocks.front());
+    const int H = c.hidden_size, I = c.moe_intermediate_size, E = c.num_experts;
+    MOELORA_ASSIGN_OR_RETURN(Tensor router, get(block + ".gate.weight", {E, H}));
+    lw.router = backend.upload_linear(router, Tensor(), c.fp8_block_out, c.fp8_block_in);
+    if (c.router == RouterKind::kSigmoidGroupTopK) {
+      const std::string bias = block + ".gate.e_score_correction_bias";
+      if (ck.contains(bias)) {
+        MOELORA_ASSIGN_OR_RETURN(lw.router_bias, vec(bias, E));
+      } else {
+        lw.router_bias = backend.upload(Tensor::empty_host(DType::kF32, {E}), DType::kF32);
+      }
+    }
+    std::vector<Tensor> g(E), gs, u(E), us, d(E), ds;
+    for (int e = 0; e < E; ++e) {
+      const std::string ep = fmt::format("{}.experts.{}.", block, e);
+      MOELORA_ASSIGN_OR_RETURN(Raw rg, raw_linear(ep + nm.expert_proj[0], I, H));
+      MOELORA_ASSIGN_OR_RETURN(Raw ru, raw_linear(ep + nm.expert_proj[1], I, H));
+      MOELORA_ASSIGN_OR_RETURN(Raw rd, raw_linear(ep + nm.expert_proj[2], H, I));
+      g[e] = rg.w;
+      u[e] = ru.w;
+      d[e] = rd.w;
+      const bool fp8 = rg.scale.defined();
+      const bool first_fp8 = e == 0 ? fp8 : !gs.empty();
+      if (fp8 != first_fp8 || fp8 != ru.scale.defined() || fp8 != rd.scale.defined())
+        return invalid_argument("checkpoint {}: layer {} mixes FP8 and non-FP8 experts", ck.dir(), l);
+      if (rg.scale.defined()) {
+        gs.push_back(rg.scale);
+        us.push_back(ru.scale);
+        ds.push_back(rd.scale);
+      }
+    }
+    lw.experts = backend.upload_experts(g, gs, u, us, d, ds, c.fp8_block_out, c.fp8_block_in);
+    if (c.n_shared_experts > 0) {
+      lw.has_shared = true;
+      MOELORA_ASSIGN_OR_RETURN(lw.shared, mlp(block + ".shared_experts", I * c.n_shared_experts));
+    }
+    return {};
+  }
+};
+
+}  // namespace
+
+Result<ModelWeights> load_model_weights(const Checkpoint& ck, const ModelConfig& cfg, Backend& backend) {
+  Loader L{ck, cfg, backend};
+  ModelWeights w;
+  const int H = cfg.hidden_size, V = cfg.vocab_size;
+  MOELORA_ASSIGN_OR_RETURN(Tensor embed, L.get("model.embed_tokens.weight", {V, H}));
+  w.embed = backend.upload(embed, backend.act_dtype());
+  MOELORA_ASSIGN_OR_RETURN(w.final_norm, L.vec("model.norm.weight", H));
+  if (ck.contains("lm_head.weight")) {
+    MOELORA_ASSIGN_OR_RETURN(w.lm_head, L.linear("lm_head", V, H));
+  } else if (cfg.tie_word_embeddings) {
+    w.lm_head = backend.upload_linear(embed, Tensor(), cfg.fp8_block_out, cfg.fp8_block_in);
+  } else {
+    return invalid_argument("checkpoint {}: no lm_head.weight and tie_word_embeddings is false", ck.dir());
+  }
+  w.layers.resize(cfg.num_layers);
+  for (int l = 0; l < cfg.num_layers; ++l) {
+    LayerWeights& lw = w.layers[l];
+    const std::string p = fmt::format("model.layers.{}.", l);
+    MOELORA_ASSIGN_OR_RETURN(lw.input_norm, L.vec(p + "input_layernorm.weight", H));
+    MOELORA_ASSIGN_OR_RETURN(lw.post_attention_norm, L.vec(p + "post_attention_layernorm.weight", H));
+    MOELORA_RETURN_IF_ERROR(L.attention(p + "self_attn.", lw.attn));
+    lw.is_moe = cfg.layer_is_moe[l];
+    if (lw.is_moe) {
+      MOELORA_RETURN_IF_ERROR(L.moe(p, l, lw));
+    } else {
+      MOELORA_ASSIGN_OR_RETURN(lw.mlp, L.mlp(p + "mlp", cfg.intermediate_size));
+    }
+  }
+  return w;
+}
+
+}  // namespace moelora

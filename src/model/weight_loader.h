@@ -1,0 +1,15 @@
+// Reads a checkpoint's tensors by their Hugging Face names, checks every shape and dtype against
+// the config, and hands them to a backend (which keeps FP8 as FP8 or dequantises, as it likes).
+#pragma once
+
+#include "core/status.h"
+#include "io/checkpoint.h"
+#include "model/model_config.h"
+#include "model/model_weights.h"
+#include "ops/backend.h"
+
+namespace moelora {
+
+Result<ModelWeights> load_model_weights(const Checkpoint& ck, const ModelConfig& cfg, Backend& backend);
+
+}  // namespace moelora

@@ -1,0 +1,107 @@
+// Op contracts, part 2: the operations a model's forward pass is written in. A Backend
+// implements each on its device; the model code (src/model) is written once against this
+// interface. The math of every op is stated here; backends/cpu is its executable form.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "ops/types.h"
+
+namespace moelora {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual Device device() const = 0;
+  // dtype of activations the backend allocates (CPU: f32).
+  virtual DType act_dtype() const = 0;
+
+  // ---- Persistent memory (weights, adapters, KV pages): lives until the returned tensor dies.
+  // Copies a host tensor to the backend, converting float dtypes to `dtype`.
+  virtual Tensor upload(const Tensor& host, DType dtype) = 0;
+  // A linear weight from checkpoint tensors (w [out, in] in bf16/f16/f32/f8; scale_inv for f8).
+  virtual LinearWeight upload_linear(const Tensor& w, const Tensor& scale_inv, int block_out,
+                                     int block_in) = 0;
+  // Routed experts from per-expert checkpoint tensors (gate[e], up[e]: [I, H]; down[e]: [H, I]).
+  virtual ExpertWeights upload_experts(const std::vector<Tensor>& gate, const std::vector<Tensor>& gate_scale,
+                                       const std::vector<Tensor>& up, const std::vector<Tensor>& up_scale,
+                                       const std::vector<Tensor>& down, const std::vector<Tensor>& down_scale,
+                                       int block_out, int block_in) = 0;
+  virtual KvLayer alloc_kv_layer(int num_pages, int page_size, int kv_heads, int k_head_dim,
+                                 int v_head_dim) = 0;
+  // dtype of LoRA factors on this backend and pointer-table writes (see LoraModuleTable).
+  virtual DType lora_dtype() const = 0;
+  // Allocates zeroed pointer tables for `num_slots` slots.
+  virtual LoraModuleTable alloc_lora_table(int num_slots, int in, int out) = 0;
+  virtual MoeLoraTable alloc_moe_lora_table(int num_slots, int num_experts, int hidden, int intermediate) = 0;
+  // Writes slot entries (pointers are element addresses of tensors from upload()).
+  virtual void set_lora_slot(LoraModuleTable& t, int slot, const Tensor& a, const Tensor& b, int rank) = 0;
+  struct MoeLoraSlot {
+    Tensor gu_a, gu_b, d_a, d_b;  // uploaded factors (undefined = none)
+    int64_t gu_a_stride = 0, gu_b_stride = 0, d_a_stride = 0, d_b_stride = 0;
+    int gu_rank = 0, d_rank = 0;
+  };
+  virtual void set_moe_lora_slot(MoeLoraTable& t, int slot, const MoeLoraSlot& s) = 0;
+
+  // ---- One forward step.
+  // Makes the step's metadata (token ids, positions, slots, page tables) available to ops and
+  // resets the step's scratch memory.
+  virtual void begin_step(const StepBatch& batch) = 0;
+  // Scratch activation [rows, cols] valid until the next begin_step.
+  virtual Tensor alloc(int64_t rows, int64_t cols, DType dtype) = 0;
+  Tensor alloc_act(int64_t rows, int64_t cols) { return alloc(rows, cols, act_dtype()); }
+
+  // out[t] = table[token_ids[t]]   (table [vocab, H] from upload())
+  virtual void embed(const Tensor& table, Tensor out) = 0;
+  // Root-mean-square norm of each group of w.numel() consecutive values in each row of x:
+  //   y = x / sqrt(mean(x^2) + eps) * w        (x and out may alias)
+  virtual void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor out) = 0;
+  // out = x W^T + per-token LoRA:  out[t] += B_s (A_s x[t])  for s = token_slot[t] >= 0 with a
+  // non-zero rank in `lora` (nullptr = no LoRA on this projection). out may be a column slice.
+  virtual void linear(const Tensor& x, const LinearWeight& w, const LoraModuleTable* lora, Tensor out) = 0;
+  // In place on x [T, heads * head_stride]: rotates dims [rot_offset, rot_offset + rope.rot_dim)
+  // of every head by position-dependent angles pos * inv_freq[i], cos/sin scaled by
+  // rope.attention_factor. Neox pairing (i, i + rot_dim/2) or, if interleaved, (2i, 2i + 1).
+  virtual void rope(Tensor x, int heads, int head_stride, int rot_offset, const RopeTable& rope) = 0;
+  // Writes each token's k [T, kv_heads*k_head_dim] and v [T, kv_heads*v_head_dim] into the
+  // cache at its (sequence, position), then causal attention over positions 0..pos of its
+  // sequence for every query head h (kv head h / (heads / kv_heads)):
+  //   out[t, h] = sum_j softmax_j(scale * q[t, h] . K[j]) V[j]          out [T, heads * v_head_dim]
+  virtual void attention(const Tensor& q, const Tensor& k, const Tensor& v, KvLayer& kv, int heads,
+                         float scale, Tensor out) = 0;
+  // out[t, i] = silu(gate[t, i]) * up[t, i]
+  virtual void silu_mul(const Tensor& gate, const Tensor& up, Tensor out) = 0;
+  // inout += x
+  virtual void add(const Tensor& x, Tensor inout) = 0;
+  // Router scores: out [T, E] f32 = x Wg^T computed in f32.
+  virtual void router_logits(const Tensor& x, const LinearWeight& gate, Tensor out) = 0;
+  // Softmax over experts, top-k (ties: lower expert index first), optional renormalisation.
+  virtual void topk_softmax(const Tensor& logits, int k, bool renormalize, Tensor ids, Tensor weights) = 0;
+  // DeepSeek-V3: s = sigmoid(logits); choice = s + bias; group score = sum of the top-2 choice
+  // values in each of n_group groups; keep the topk_group best groups (others' choice := 0, as
+  // transformers does); top-k of choice; weights = s of the chosen, / (sum + 1e-20) if
+  // renormalize, x scaling.
+  virtual void topk_sigmoid_grouped(const Tensor& logits, const Tensor& bias, int k, int n_group,
+                                    int topk_group, bool renormalize, float scaling, Tensor ids,
+                                    Tensor weights) = 0;
+  // Routed experts with per-token LoRA (LoRA added before the activation on gate_up, and on
+  // the activated input of down; routing weights scale base and LoRA alike):
+  //   g = x Wgu[e]^T + Bgu (Agu x);  a = silu(g[:I]) * g[I:];  d = a Wd[e]^T + Bd (Ad a)
+  //   out[t] = sum_j weights[t, j] * d(e = ids[t, j])                    (out overwritten)
+  virtual void moe(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,
+                   const MoeLoraTable* lora, Tensor out) = 0;
+  // out[r] = x[batch.logit_rows[r]]
+  virtual void gather_logit_rows(const Tensor& x, Tensor out) = 0;
+  // DeepSeek MLA: from kv_b output [T, heads*(nope+v)] and the rotated k_pe [T, rope] build
+  // k [T, heads*(nope+rope)] = per head (k_nope, k_pe) and v [T, heads*v].
+  virtual void mla_split_kv(const Tensor& kv, const Tensor& k_pe, int heads, int nope, int v_dim,
+                            Tensor k, Tensor v) = 0;
+  // Copies a backend tensor to a new host f32 tensor (synchronous).
+  virtual Tensor to_host_f32(const Tensor& t) = 0;
+};
+
+}  // namespace moelora
