@@ -17,8 +17,12 @@ endif()
 if(MOELORA_HAVE_CUDA)
   # Hopper only: wgmma and friends need the sm_90a target.
   set(CMAKE_CUDA_ARCHITECTURES 90a)
-  set(CMAKE_CUDA_STANDARD 20)
+  # CMake 3.25 does not know nvcc 13 supports C++20: declare 17 and override the flag.
+  set(CMAKE_CUDA_STANDARD 17)
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+  set(CMAKE_CUDA17_STANDARD_COMPILE_OPTION "-std=c++20")
+  set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+  set(CMAKE_CUDA_STANDARD_COMPUTED_DEFAULT 20)
   set(CMAKE_CUDA_RUNTIME_LIBRARY Static)
   message(STATUS "moelora: CUDA backend ON (${CMAKE_CUDA_COMPILER_VERSION})")
 else()
