@@ -1,15 +1,78 @@
-// Placeholder: replaced when this subcommand lands.
+// moelora verify --fixtures DIR [--backend cpu|cuda]: runs the reference fixtures, every case of
+// a checkpoint in one batch that mixes all adapters and the base model.
 #include <cstdio>
 
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "runtime/backend_factory.h"
+#include "runtime/fixture_verifier.h"
 #include "tools/commands.h"
 
 namespace moelora::tools {
 
 void register_verify(CLI::App& app, int& exit_code) {
-  auto* cmd = app.add_subcommand("verify", "(not built yet)");
-  cmd->callback([&exit_code] {
-    std::fprintf(stderr, "moelora: this subcommand is not built yet\n");
-    exit_code = 2;
+  auto* cmd = app.add_subcommand("verify", "Check outputs against reference fixtures (Hugging Face + PEFT, float64)");
+  struct Args {
+    std::string fixtures;
+    BackendOptions backend;
+    double tol = -1;
+    double min_top1 = -1;
+  };
+  auto args = std::make_shared<Args>();
+  cmd->add_option("--fixtures", args->fixtures, "a model folder with cases.json, or a root with manifest.json")
+      ->required();
+  cmd->add_option("--backend", args->backend.name, "cpu or cuda")->capture_default_str();
+  cmd->add_flag("!--no-graphs", args->backend.cuda_graphs, "CUDA: run decode eagerly instead of replaying graphs");
+  cmd->add_flag("!--no-overlap", args->backend.cuda_overlap, "CUDA: run LoRA work on the main stream");
+  cmd->add_option("--max-rel-error", args->tol,
+                  "per-row relative error bound (default: 1e-4 on cpu, docs/numerics.md value on cuda)");
+  cmd->add_option("--min-top1", args->min_top1, "fraction of clear-margin rows whose argmax must match");
+  cmd->callback([args, &exit_code] {
+    VerifyOptions opts;
+    if (args->backend.name != "cpu") {
+      // GPU paths compute in bf16 activations with FP8 weights: see docs/numerics.md.
+      opts.max_rel_error = 3e-2;
+      opts.min_top1 = 0.97;
+    }
+    if (args->tol > 0) opts.max_rel_error = args->tol;
+    if (args->min_top1 >= 0) opts.min_top1 = args->min_top1;
+    std::string backend_error;
+    auto make = [&]() -> std::unique_ptr<Backend> {
+      auto b = make_backend(args->backend);
+      if (!b.ok()) {
+        backend_error = b.status().message();
+        return nullptr;
+      }
+      return std::move(b).value();
+    };
+    if (!make()) {
+      std::fprintf(stderr, "moelora verify: %s\n", backend_error.c_str());
+      exit_code = 2;
+      return;
+    }
+    auto print = [](const CaseResult& r) {
+      std::printf("%-16s %-28s %-22s len %2d  prefill %.2e  decode %.2e  top1 %d/%d  %s\n", r.model.c_str(),
+                  r.case_id.c_str(), r.adapter.empty() ? "(base)" : r.adapter.c_str(), r.prompt_len, r.prefill_rel,
+                  r.decode_rel, r.top1_match, r.top1_rows, r.passed ? "PASS" : "FAIL");
+      std::fflush(stdout);
+    };
+    Result<VerifySummary> res = Status(ErrorCode::kInternal, "not run");
+    try {
+      res = verify_fixtures(args->fixtures, make, opts, print);
+    } catch (const nlohmann::json::exception& e) {
+      res = invalid_argument("malformed fixture file: {}", e.what());
+    }
+    if (!res.ok()) {
+      std::fprintf(stderr, "moelora verify: %s\n", res.status().message().c_str());
+      exit_code = 2;
+      return;
+    }
+    const VerifySummary& s = *res;
+    std::printf("%d passed, %d failed (backend %s, worst relative error %.2e, top-1 agreement %d/%d, tolerance %.1e)\n",
+                s.passed, s.failed, args->backend.name.c_str(), s.worst_rel, s.top1_match, s.top1_rows,
+                opts.max_rel_error);
+    exit_code = s.failed == 0 && s.passed > 0 ? 0 : 1;
   });
 }
 

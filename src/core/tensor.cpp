@@ -92,6 +92,19 @@ float read_as_f32(const Tensor& t, int64_t i) {
   return 0.0f;
 }
 
+int64_t read_as_i64(const Tensor& t, int64_t i) {
+  MOELORA_CHECK(t.device() == Device::kCpu && t.contiguous());
+  switch (t.dtype()) {
+    case DType::kI64: return t.ptr<int64_t>()[i];
+    case DType::kI32: return t.ptr<int32_t>()[i];
+    case DType::kI16: return t.ptr<int16_t>()[i];
+    case DType::kI8: return t.ptr<int8_t>()[i];
+    case DType::kU8: return t.ptr<uint8_t>()[i];
+    default: MOELORA_CHECK_MSG(false, "read_as_i64 of {}", dtype_name(t.dtype()));
+  }
+  return 0;
+}
+
 Tensor to_f32(const Tensor& t) {
   Tensor out = Tensor::empty_host(DType::kF32, t.shape());
   const int64_t n = t.numel();

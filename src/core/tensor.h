@@ -73,6 +73,8 @@ class Tensor {
 
 // Reads element i of a host tensor of any float dtype as float32 (exact for bf16/f16/fp8).
 float read_as_f32(const Tensor& t, int64_t i);
+// Reads element i of a host integer tensor (I64, I32, I16, I8, U8).
+int64_t read_as_i64(const Tensor& t, int64_t i);
 // Copies a host tensor of any float dtype into a new contiguous float32 tensor.
 Tensor to_f32(const Tensor& t);
 

@@ -148,26 +148,25 @@ std::optional<ModuleRef> resolve_module(const ModelConfig& cfg, std::string_view
 std::pair<int, int> lora_target_shape(const ModelConfig& c, int layer, LoraTarget t) {
   const int H = c.hidden_size;
   const bool moe = c.layer_is_moe[layer];
+  const bool mla = c.is_mla();
+  const int q_width = c.num_heads * (mla ? c.qk_nope_head_dim + c.qk_rope_head_dim : c.head_dim);
+  const int shared = moe ? c.moe_intermediate_size * c.n_shared_experts : 0;
   switch (t) {
-    case LoraTarget::kQ:
-      return {H, c.num_heads * (c.is_mla() ? c.qk_nope_head_dim + c.qk_rope_head_dim : c.head_dim)};
-    case LoraTarget::kK: return {H, c.num_kv_heads * c.head_dim};
-    case LoraTarget::kV: return {H, c.num_kv_heads * c.head_dim};
+    case LoraTarget::kQ: return (!mla || c.q_lora_rank == 0) ? std::pair{H, q_width} : std::pair{0, 0};
+    case LoraTarget::kK:
+    case LoraTarget::kV: return mla ? std::pair{0, 0} : std::pair{H, c.num_kv_heads * c.head_dim};
     case LoraTarget::kO: return {c.num_heads * c.attn_v_head_dim(), H};
-    case LoraTarget::kQA: return {H, c.q_lora_rank};
-    case LoraTarget::kQB: return {c.q_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)};
-    case LoraTarget::kKVA: return {H, c.kv_lora_rank + c.qk_rope_head_dim};
-    case LoraTarget::kKVB: return {c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim)};
+    case LoraTarget::kQA: return mla && c.q_lora_rank > 0 ? std::pair{H, c.q_lora_rank} : std::pair{0, 0};
+    case LoraTarget::kQB: return mla && c.q_lora_rank > 0 ? std::pair{c.q_lora_rank, q_width} : std::pair{0, 0};
+    case LoraTarget::kKVA: return mla ? std::pair{H, c.kv_lora_rank + c.qk_rope_head_dim} : std::pair{0, 0};
+    case LoraTarget::kKVB:
+      return mla ? std::pair{c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim)} : std::pair{0, 0};
     case LoraTarget::kGate:
     case LoraTarget::kUp: return moe ? std::pair{0, 0} : std::pair{H, c.intermediate_size};
     case LoraTarget::kDown: return moe ? std::pair{0, 0} : std::pair{c.intermediate_size, H};
     case LoraTarget::kSharedGate:
-    case LoraTarget::kSharedUp:
-      return moe && c.n_shared_experts ? std::pair{H, c.moe_intermediate_size * c.n_shared_experts}
-                                       : std::pair{0, 0};
-    case LoraTarget::kSharedDown:
-      return moe && c.n_shared_experts ? std::pair{c.moe_intermediate_size * c.n_shared_experts, H}
-                                       : std::pair{0, 0};
+    case LoraTarget::kSharedUp: return shared ? std::pair{H, shared} : std::pair{0, 0};
+    case LoraTarget::kSharedDown: return shared ? std::pair{shared, H} : std::pair{0, 0};
     case LoraTarget::kCount: break;
   }
   return {0, 0};

@@ -36,7 +36,8 @@ struct ModuleRef {
 // nullopt when the path names no LoRA-capable linear of this model (the message says why).
 std::optional<ModuleRef> resolve_module(const ModelConfig& cfg, std::string_view path, std::string* why);
 
-// Input and output width of a dense LoRA target in `layer` (0, 0 if the layer lacks it).
+// Input and output width of a dense LoRA target in `layer`; (0, 0) when the layer has no such
+// projection (k_proj in an MLA model, a dense gate_proj in a MoE layer, ...).
 std::pair<int, int> lora_target_shape(const ModelConfig& cfg, int layer, LoraTarget t);
 
 }  // namespace moelora

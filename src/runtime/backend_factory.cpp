@@ -1,0 +1,27 @@
+#include "runtime/backend_factory.h"
+
+#include "backends/cpu/cpu_backend.h"
+
+namespace moelora {
+
+std::vector<std::string> available_backends() {
+#ifdef MOELORA_HAVE_CUDA
+  return {"cpu", "cuda"};
+#else
+  return {"cpu"};
+#endif
+}
+
+Result<std::unique_ptr<Backend>> make_backend(const BackendOptions& opts) {
+  if (opts.name == "cpu") return std::unique_ptr<Backend>(std::make_unique<CpuBackend>());
+  if (opts.name == "cuda") {
+#ifdef MOELORA_HAVE_CUDA
+    return unsupported("the CUDA backend is not wired into the engine yet");
+#else
+    return unsupported("this moelora was built without CUDA (configure with -DMOELORA_CUDA=ON on a machine with nvcc)");
+#endif
+  }
+  return invalid_argument("unknown backend '{}' (cpu or cuda)", opts.name);
+}
+
+}  // namespace moelora

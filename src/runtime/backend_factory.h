@@ -1,0 +1,22 @@
+// Creates a backend by name ("cpu", "cuda"); the CUDA one exists only in CUDA builds.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "ops/backend.h"
+
+namespace moelora {
+
+struct BackendOptions {
+  std::string name = "cpu";
+  bool cuda_graphs = true;     // CUDA: replay captured decode graphs
+  bool cuda_overlap = true;    // CUDA: LoRA work on a side stream
+};
+
+Result<std::unique_ptr<Backend>> make_backend(const BackendOptions& opts);
+std::vector<std::string> available_backends();
+
+}  // namespace moelora
