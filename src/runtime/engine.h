@@ -15,6 +15,7 @@
 
 namespace moelora {
 
+class Backend;
 class Model;
 
 struct SamplingParams {
@@ -63,7 +64,8 @@ struct EngineOptions {
   int max_num_seqs = 64;          // running sequences at most
   int max_batch_tokens = 2048;    // tokens per step (chunked prefill splits longer prompts)
   int kv_page_size = 16;
-  int kv_num_pages = 0;           // 0 = derive from max_model_len * max_num_seqs
+  int kv_num_pages = 0;           // 0 = enough for max_num_seqs full-length sequences, within kv_cache_bytes
+  size_t kv_cache_bytes = 4ull << 30;  // cap on the KV cache when kv_num_pages is derived
   int max_model_len = 0;          // 0 = the model's max_position_embeddings
   int max_loras_per_batch = 8;    // adapter slots on the backend
   int max_loaded_loras = 32;      // adapters kept on the host (LRU beyond that)
@@ -103,8 +105,9 @@ struct EngineStats {
 
 class Engine {
  public:
-  // Builds an engine over a loaded model; `adapters` are (name, path) loaded at start.
-  static Result<std::unique_ptr<Engine>> create(std::unique_ptr<Model> model, const EngineOptions& opts);
+  // Builds an engine over a model loaded on `backend` and starts its thread.
+  static Result<std::unique_ptr<Engine>> create(std::unique_ptr<Backend> backend, std::unique_ptr<Model> model,
+                                                const EngineOptions& opts);
   ~Engine();
 
   const Model& model() const;

@@ -1,0 +1,297 @@
+// Small-M dense projection on the tensor cores (see dense_gemm.cuh), its naive reference kernel and
+// the dispatcher. cuBLASLt lives in dense_gemm_lt.cu.
+//
+// Small-M kernel layout ("swap AB"): the weight plays the MMA's A operand (16 output rows per warp
+// tile) and the tokens its B operand (8 per n-tile), so a decode batch of 1..8 tokens costs one MMA
+// column and the weight is read exactly once. Each lane owns a contiguous 32-element run of every
+// 128-wide K block: for a 16-row tile the warp reads 16 rows x 128 contiguous bytes (FP8) per K block
+// — whole cache lines — and no shuffles are needed because the MMA contraction order over k is free
+// as long as A and B agree (lane t supplies physical k = 32t + 4s + {0,1} as logical k = 2t, 2t+1 of
+// step s, and 32t + 4s + {2,3} as logical k = 2t+8, 2t+9).
+// FP8: the 8 MMA steps of one K block accumulate unscaled products in f32; the block's scale then
+// multiplies that partial sum once (exactly the dequantised math, one rounding per block).
+// Warps of a block split K (k_warps) and meet in shared memory, in a fixed order (deterministic).
+#include <algorithm>
+
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/cuda_utils.cuh"
+#include "backends/cuda/kernels/dense_gemm.cuh"
+#include "backends/cuda/kernels/fp8_quant.cuh"
+
+namespace moelora::cuda {
+namespace {
+
+constexpr int kBlockThreads = 256;
+constexpr int kKBlock = 128;
+
+struct SmallMParams {
+  const bf16* x;
+  int64_t ld_x;
+  int M;
+  const void* w;
+  int N, K;
+  const float* scale_inv;
+  int scale_cols, block_out, split_rows;
+  bf16* y;
+  float* y_f32;
+  int64_t ld_y;
+};
+
+__device__ __forceinline__ int scale_row_block(int r, int bo, int split) {
+  if (split <= 0 || r < split) return r / bo;
+  return (split + bo - 1) / bo + (r - split) / bo;
+}
+
+// Weight run of one lane for one 16-row tile and K block, as A fragments of the 8 MMA steps.
+template <bool kFp8>
+__device__ __forceinline__ void load_weight_frags(const SmallMParams& p, int r0, int r1, bool v0, bool v1, int kc,
+                                                  bool kv, uint32_t (&a)[8][4]) {
+  if constexpr (kFp8) {
+    const uint8_t* w = static_cast<const uint8_t*>(p.w);
+    const uint8_t* w0 = w + static_cast<int64_t>(r0) * p.K + kc;
+    const uint8_t* w1 = w + static_cast<int64_t>(r1) * p.K + kc;
+    const uint4 a0 = ld_stream_u4_pred(w0, v0 && kv), a1 = ld_stream_u4_pred(w0 + 16, v0 && kv);
+    const uint4 b0 = ld_stream_u4_pred(w1, v1 && kv), b1 = ld_stream_u4_pred(w1 + 16, v1 && kv);
+    const uint32_t row0[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+    const uint32_t row1[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      fp8x4_to_bf16x2x2(row0[s], a[s][0], a[s][2]);
+      fp8x4_to_bf16x2x2(row1[s], a[s][1], a[s][3]);
+    }
+  } else {
+    const bf16* w = static_cast<const bf16*>(p.w);
+    const bf16* w0 = w + static_cast<int64_t>(r0) * p.K + kc;
+    const bf16* w1 = w + static_cast<int64_t>(r1) * p.K + kc;
+    uint32_t row0[16], row1[16];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const uint4 u0 = ld_stream_u4_pred(w0 + 8 * q, v0 && kv);
+      const uint4 u1 = ld_stream_u4_pred(w1 + 8 * q, v1 && kv);
+      row0[4 * q] = u0.x, row0[4 * q + 1] = u0.y, row0[4 * q + 2] = u0.z, row0[4 * q + 3] = u0.w;
+      row1[4 * q] = u1.x, row1[4 * q + 1] = u1.y, row1[4 * q + 2] = u1.z, row1[4 * q + 3] = u1.w;
+    }
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      a[s][0] = row0[2 * s];
+      a[s][2] = row0[2 * s + 1];
+      a[s][1] = row1[2 * s];
+      a[s][3] = row1[2 * s + 1];
+    }
+  }
+}
+
+template <bool kFp8, int MT, int RG>
+__global__ void __launch_bounds__(kBlockThreads) dense_small_m_kernel(SmallMParams p) {
+  extern __shared__ float red[];  // [k_warps][RG][16][MT * 8]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int k_warps = blockDim.x / 32 / RG;
+  const int rg = warp % RG, kw = warp / RG;
+  const int row_base = blockIdx.x * (16 * RG);
+  const int r0 = row_base + rg * 16 + g, r1 = r0 + 8;
+  const bool v0 = r0 < p.N, v1 = r1 < p.N;
+  const int m_base = blockIdx.y * (8 * MT);
+  const int kblocks = ceil_div(p.K, kKBlock);
+
+  const float* srow0 = nullptr;
+  const float* srow1 = nullptr;
+  if constexpr (kFp8) {
+    srow0 = p.scale_inv + static_cast<int64_t>(scale_row_block(v0 ? r0 : 0, p.block_out, p.split_rows)) * p.scale_cols;
+    srow1 = p.scale_inv + static_cast<int64_t>(scale_row_block(v1 ? r1 : 0, p.block_out, p.split_rows)) * p.scale_cols;
+  }
+
+  float acc[MT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
+
+  for (int kb = kw; kb < kblocks; kb += k_warps) {
+    const int kc = kb * kKBlock + t * 32;
+    const bool kv = kc < p.K;  // K % 32 == 0: a lane's run is all in or all out
+    uint32_t a[8][4];
+    load_weight_frags<kFp8>(p, r0, r1, v0, v1, kc, kv, a);
+    float part[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      part[mt][0] = part[mt][1] = part[mt][2] = part[mt][3] = 0.0f;
+      if (m_base + mt * 8 >= p.M) continue;
+      const int tok = m_base + mt * 8 + g;
+      const bool tv = tok < p.M && kv;
+      const bf16* xr = p.x + static_cast<int64_t>(tv ? tok : 0) * p.ld_x + (kv ? kc : 0);
+      uint32_t xw[16];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const uint4 u = ldg_u4_pred(xr + 8 * q, tv);
+        xw[4 * q] = u.x, xw[4 * q + 1] = u.y, xw[4 * q + 2] = u.z, xw[4 * q + 3] = u.w;
+      }
+#pragma unroll
+      for (int s = 0; s < 8; ++s) mma_bf16_16816(kFp8 ? part[mt] : acc[mt], a[s], xw[2 * s], xw[2 * s + 1]);
+    }
+    if constexpr (kFp8) {
+      const float s0 = v0 && kv ? srow0[kb] : 0.0f;
+      const float s1 = v1 && kv ? srow1[kb] : 0.0f;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        acc[mt][0] = fmaf(part[mt][0], s0, acc[mt][0]);
+        acc[mt][1] = fmaf(part[mt][1], s0, acc[mt][1]);
+        acc[mt][2] = fmaf(part[mt][2], s1, acc[mt][2]);
+        acc[mt][3] = fmaf(part[mt][3], s1, acc[mt][3]);
+      }
+    }
+  }
+
+  // Partial tiles of every K warp into shared memory, then a fixed-order sum per output.
+  constexpr int kCols = MT * 8;
+  float* mine = red + ((kw * RG + rg) * 16) * kCols;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    mine[g * kCols + mt * 8 + 2 * t] = acc[mt][0];
+    mine[g * kCols + mt * 8 + 2 * t + 1] = acc[mt][1];
+    mine[(g + 8) * kCols + mt * 8 + 2 * t] = acc[mt][2];
+    mine[(g + 8) * kCols + mt * 8 + 2 * t + 1] = acc[mt][3];
+  }
+  __syncthreads();
+  const int rows = 16 * RG;
+  for (int idx = threadIdx.x; idx < rows * kCols; idx += blockDim.x) {
+    const int rl = idx % rows, col = idx / rows;  // rows fastest: coalesced stores of y
+    const int tok = m_base + col, n = row_base + rl;
+    if (tok >= p.M || n >= p.N) continue;
+    float s = 0.0f;
+    for (int k = 0; k < k_warps; ++k) s += red[((k * RG + rl / 16) * 16 + rl % 16) * kCols + col];
+    if (p.y_f32)
+      p.y_f32[static_cast<int64_t>(tok) * p.ld_y + n] = s;
+    else
+      p.y[static_cast<int64_t>(tok) * p.ld_y + n] = __float2bfloat16(s);
+  }
+}
+
+// Naive reference: one warp per (token, output row), dequantising as it goes.
+__global__ void dense_naive_kernel(SmallMParams p, bool fp8) {
+  const int64_t wid = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (wid >= static_cast<int64_t>(p.M) * p.N) return;
+  const int tok = static_cast<int>(wid / p.N), n = static_cast<int>(wid % p.N);
+  const int lane = threadIdx.x & 31;
+  const bf16* x = p.x + static_cast<int64_t>(tok) * p.ld_x;
+  float acc = 0.0f;
+  if (fp8) {
+    const uint8_t* w = static_cast<const uint8_t*>(p.w) + static_cast<int64_t>(n) * p.K;
+    const float* srow = p.scale_inv + static_cast<int64_t>(scale_row_block(n, p.block_out, p.split_rows)) * p.scale_cols;
+    for (int k = lane; k < p.K; k += 32) {
+      const float wv = __half2float(__nv_cvt_fp8_to_halfraw(w[k], __NV_E4M3)) * srow[k / kKBlock];
+      acc = fmaf(__bfloat162float(x[k]), wv, acc);
+    }
+  } else {
+    const bf16* w = static_cast<const bf16*>(p.w) + static_cast<int64_t>(n) * p.K;
+    for (int k = lane; k < p.K; k += 32) acc = fmaf(__bfloat162float(x[k]), __bfloat162float(w[k]), acc);
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) {
+    if (p.y_f32)
+      p.y_f32[static_cast<int64_t>(tok) * p.ld_y + n] = acc;
+    else
+      p.y[static_cast<int64_t>(tok) * p.ld_y + n] = __float2bfloat16(acc);
+  }
+}
+
+SmallMParams to_params(const DenseArgs& a) {
+  MOELORA_CHECK_MSG((a.y == nullptr) != (a.y_f32 == nullptr), "dense: exactly one of y / y_f32");
+  const bool fp8 = a.w.type == WeightType::kFP8E4M3;
+  MOELORA_CHECK_MSG(!fp8 || (a.w.scale_inv != nullptr && a.w.block_in == kKBlock && a.w.block_out > 0),
+                    "dense: FP8 weights need scale_inv with 128-wide column blocks");
+  return SmallMParams{a.x, a.ld_x, a.M, a.w.w, a.w.out, a.w.in, a.w.scale_inv,
+                      ceil_div(a.w.in, kKBlock), a.w.block_out, a.w.split_rows, a.y, a.y_f32, a.ld_y};
+}
+
+bool small_m_supported(const DenseArgs& a) {
+  auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+  return a.w.in % 32 == 0 && a.ld_x % 8 == 0 && aligned16(a.x) && aligned16(a.w.w);
+}
+
+template <bool kFp8, int MT>
+void launch_mt(const SmallMParams& p, int rg, int kw, cudaStream_t stream) {
+  const dim3 grid(ceil_div(p.N, 16 * rg), ceil_div(p.M, 8 * MT));
+  const size_t smem = static_cast<size_t>(rg * kw) * 16 * MT * 8 * sizeof(float);
+  const int threads = 32 * rg * kw;
+  switch (rg) {
+    case 1: dense_small_m_kernel<kFp8, MT, 1><<<grid, threads, smem, stream>>>(p); break;
+    case 2: dense_small_m_kernel<kFp8, MT, 2><<<grid, threads, smem, stream>>>(p); break;
+    case 4: dense_small_m_kernel<kFp8, MT, 4><<<grid, threads, smem, stream>>>(p); break;
+    default: MOELORA_CHECK_MSG(false, "dense: row_groups {} not in {{1, 2, 4}}", rg);
+  }
+}
+
+template <bool kFp8>
+void launch_fp(const SmallMParams& p, int mt, int rg, int kw, cudaStream_t stream) {
+  switch (mt) {
+    case 1: launch_mt<kFp8, 1>(p, rg, kw, stream); break;
+    case 2: launch_mt<kFp8, 2>(p, rg, kw, stream); break;
+    case 4: launch_mt<kFp8, 4>(p, rg, kw, stream); break;
+    default: launch_mt<kFp8, 8>(p, rg, kw, stream); break;
+  }
+}
+
+}  // namespace
+
+void launch_dense_naive(const DenseArgs& a, cudaStream_t stream) {
+  const SmallMParams p = to_params(a);
+  if (a.M == 0 || a.w.out == 0) return;
+  const int64_t warps = static_cast<int64_t>(a.M) * a.w.out;
+  dense_naive_kernel<<<static_cast<unsigned>(ceil_div64(warps, 8)), 256, 0, stream>>>(p, a.w.type == WeightType::kFP8E4M3);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+void launch_dense_small_m(const DenseArgs& a, cudaStream_t stream, DenseSmallMConfig cfg) {
+  const SmallMParams p = to_params(a);
+  if (a.M == 0 || a.w.out == 0) return;
+  if (!small_m_supported(a)) return launch_dense_naive(a, stream);
+  // Token tiles of 8: as few as cover M (up to 8 tiles = 64 tokens per grid row).
+  const int m8 = ceil_div(std::min(a.M, kDenseSmallMMax), 8);
+  const int mt = m8 <= 1 ? 1 : m8 <= 2 ? 2 : m8 <= 4 ? 4 : 8;
+  // More tokens -> more row groups per block, so that one activation chunk read through L1
+  // serves more weight rows; the rest of the 8 warps split K.
+  int rg = cfg.row_groups > 0 ? cfg.row_groups : (a.M <= 16 ? 1 : a.M <= 32 ? 2 : 4);
+  const int kblocks = ceil_div(a.w.in, kKBlock);
+  int kw = cfg.k_warps > 0 ? cfg.k_warps : std::max(1, std::min(8 / rg, kblocks));
+  MOELORA_CHECK(rg * kw <= 8);
+  if (a.w.type == WeightType::kFP8E4M3)
+    launch_fp<true>(p, mt, rg, kw, stream);
+  else
+    launch_fp<false>(p, mt, rg, kw, stream);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+size_t dense_fp8_scratch_bytes(int max_M, int in) {
+  const size_t q = (static_cast<size_t>(max_M) * ((in + 15) / 16 * 16) + 255) / 256 * 256;
+  const size_t s = static_cast<size_t>(ceil_div(in, kFp8Group)) * max_M * sizeof(float);
+  return q + s + 256;
+}
+
+void dense_linear(DenseGemmContext& ctx, const DenseArgs& a, DenseScratch scratch, cudaStream_t stream) {
+  if (a.M == 0 || a.w.out == 0) return;
+  if (a.M <= kDenseSmallMMax) return launch_dense_small_m(a, stream);
+  if (a.w.type == WeightType::kFP8E4M3) {
+    const int64_t ld_q = (a.w.in + 15) / 16 * 16;
+    MOELORA_CHECK_MSG(scratch.bytes >= dense_fp8_scratch_bytes(a.M, a.w.in), "dense: FP8 scratch {} B too small",
+                      scratch.bytes);
+    auto base = (reinterpret_cast<uintptr_t>(scratch.ptr) + 255) / 256 * 256;
+    auto* xq = reinterpret_cast<uint8_t*>(base);
+    auto* xs = reinterpret_cast<float*>(base + (static_cast<size_t>(a.M) * ld_q + 255) / 256 * 256);
+    Fp8QuantParams q;
+    q.x = a.x;
+    q.ld_x = a.ld_x;
+    q.M = a.M;
+    q.K = a.w.in;
+    q.q = xq;
+    q.ld_q = ld_q;
+    q.scales = xs;
+    q.scale_ld = a.M;
+    q.layout = Fp8ScaleLayout::kGroupMajor;
+    launch_fp8_quant_per_token(q, stream);
+    if (ctx.gemm_fp8(a, xq, ld_q, xs, stream)) return;
+  } else if (ctx.gemm_bf16(a, stream)) {
+    return;
+  }
+  launch_dense_small_m(a, stream);  // cuBLASLt declined the shape
+}
+
+}  // namespace moelora::cuda

@@ -1,0 +1,324 @@
+// Elementwise kernels (see elementwise.cuh). All memory-bound and small: the aim is one pass, wide
+// loads where the row layout allows them, f32 arithmetic and a single rounding to bf16.
+#include <algorithm>
+
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/cuda_utils.cuh"
+#include "backends/cuda/kernels/elementwise.cuh"
+
+namespace moelora::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// 16-byte vectors are usable when every row start and the width are 8-element aligned.
+bool vec8_ok(const void* a, int64_t lda, const void* b, int64_t ldb, int cols) {
+  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+  return cols % 8 == 0 && lda % 8 == 0 && ldb % 8 == 0 && aligned(a) && aligned(b);
+}
+
+int grid_for(int64_t work, int threads) {
+  return static_cast<int>(std::min<int64_t>(ceil_div64(work, threads), 65535 * 8));
+}
+
+// ---- embedding
+__global__ void embed_kernel(EmbedParams p, bool vec) {
+  const int t = blockIdx.x;
+  const int id = p.ids[t];
+  const bool ok = id >= 0 && id < p.vocab;
+  const bf16* src = p.table + static_cast<int64_t>(ok ? id : 0) * p.hidden;
+  bf16* dst = p.out + t * p.ld_out;
+  if (vec) {
+    for (int c = threadIdx.x * 8; c < p.hidden; c += blockDim.x * 8) {
+      uint4 v = ok ? ldg_u4(src + c) : make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(dst + c) = v;
+    }
+  } else {
+    for (int c = threadIdx.x; c < p.hidden; c += blockDim.x) dst[c] = ok ? src[c] : __float2bfloat16(0.0f);
+  }
+}
+
+// ---- RMSNorm. Small groups (<= 256, per-head norms): one warp per group, values kept in registers.
+// Large groups (hidden): one block per group, two passes (the second pass hits L1).
+constexpr int kSmallGroupMax = 256;
+
+__global__ void rmsnorm_warp_kernel(RmsNormParams p) {
+  const int groups_per_row = p.cols / p.group;
+  const int64_t gid = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (gid >= static_cast<int64_t>(p.T) * groups_per_row) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t t = gid / groups_per_row;
+  const int g0 = static_cast<int>(gid % groups_per_row) * p.group;
+  const bf16* x = p.x + t * p.ld_x + g0;
+  float v[kSmallGroupMax / 32];
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kSmallGroupMax / 32; ++j) {
+    const int c = lane + 32 * j;
+    v[j] = c < p.group ? __bfloat162float(x[c]) : 0.0f;
+    ss += v[j] * v[j];
+  }
+  ss = warp_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / p.group + p.eps);
+  bf16* y = p.out + t * p.ld_out + g0;
+#pragma unroll
+  for (int j = 0; j < kSmallGroupMax / 32; ++j) {
+    const int c = lane + 32 * j;
+    if (c < p.group) y[c] = __float2bfloat16(v[j] * inv * __bfloat162float(p.w[c]));
+  }
+}
+
+__global__ void rmsnorm_block_kernel(RmsNormParams p, bool vec) {
+  const int groups_per_row = p.cols / p.group;
+  const int64_t t = blockIdx.x / groups_per_row;
+  const int g0 = static_cast<int>(blockIdx.x % groups_per_row) * p.group;
+  const bf16* x = p.x + t * p.ld_x + g0;
+  bf16* y = p.out + t * p.ld_out + g0;
+  float ss = 0.0f;
+  if (vec) {
+    for (int c = threadIdx.x * 8; c < p.group; c += blockDim.x * 8) {
+      const uint4 v = ldg_u4(x + c);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) ss += u4_bf16(v, i) * u4_bf16(v, i);
+    }
+  } else {
+    for (int c = threadIdx.x; c < p.group; c += blockDim.x) {
+      const float f = __bfloat162float(x[c]);
+      ss += f * f;
+    }
+  }
+  __shared__ float red[32];
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = ss;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float r = threadIdx.x < blockDim.x / 32 ? red[threadIdx.x] : 0.0f;
+    r = warp_sum(r);
+    if (threadIdx.x == 0) red[0] = r;
+  }
+  __syncthreads();
+  const float inv = 1.0f / sqrtf(red[0] / p.group + p.eps);
+  // x and y may alias: every element is read by the thread that writes it, after the reduction.
+  if (vec) {
+    for (int c = threadIdx.x * 8; c < p.group; c += blockDim.x * 8) {
+      const uint4 v = *reinterpret_cast<const uint4*>(x + c);
+      const uint4 w = ldg_u4(p.w + c);
+      uint4 o;
+      o.x = pack_bf16x2(u4_bf16(v, 0) * inv * u4_bf16(w, 0), u4_bf16(v, 1) * inv * u4_bf16(w, 1));
+      o.y = pack_bf16x2(u4_bf16(v, 2) * inv * u4_bf16(w, 2), u4_bf16(v, 3) * inv * u4_bf16(w, 3));
+      o.z = pack_bf16x2(u4_bf16(v, 4) * inv * u4_bf16(w, 4), u4_bf16(v, 5) * inv * u4_bf16(w, 5));
+      o.w = pack_bf16x2(u4_bf16(v, 6) * inv * u4_bf16(w, 6), u4_bf16(v, 7) * inv * u4_bf16(w, 7));
+      *reinterpret_cast<uint4*>(y + c) = o;
+    }
+  } else {
+    for (int c = threadIdx.x; c < p.group; c += blockDim.x)
+      y[c] = __float2bfloat16(__bfloat162float(x[c]) * inv * __bfloat162float(p.w[c]));
+  }
+}
+
+// ---- RoPE: one thread per (token, pair); cos/sin computed once and applied to every head.
+__global__ void rope_kernel(RopeParams p) {
+  const int half = p.rot_dim / 2;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= static_cast<int64_t>(p.T) * half) return;
+  const int64_t t = idx / half;
+  const int i = static_cast<int>(idx % half);
+  // Same f32 product as transformers; sincosf is the accurate (non-intrinsic) version.
+  const float angle = static_cast<float>(p.positions[t]) * p.inv_freq[i];
+  float s, c;
+  sincosf(angle, &s, &c);
+  c *= p.attention_factor;
+  s *= p.attention_factor;
+  const int o1 = p.interleaved ? 2 * i : i;
+  const int o2 = p.interleaved ? 2 * i + 1 : i + half;
+  bf16* row = p.x + t * p.ld_x + p.rot_offset;
+  for (int h = 0; h < p.heads; ++h) {
+    bf16* base = row + static_cast<int64_t>(h) * p.head_stride;
+    const float x1 = __bfloat162float(base[o1]), x2 = __bfloat162float(base[o2]);
+    base[o1] = __float2bfloat16(x1 * c - x2 * s);
+    base[o2] = __float2bfloat16(x2 * c + x1 * s);
+  }
+}
+
+// ---- SiLU·mul, add, conversions: grid-stride over elements, 8 at a time when aligned.
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+__global__ void silu_mul_kernel(SiluMulParams p, bool vec) {
+  const int step = vec ? 8 : 1;
+  const int per_row = ceil_div(p.cols, step);
+  const int64_t n = static_cast<int64_t>(p.T) * per_row;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / per_row;
+    const int c = static_cast<int>(i % per_row) * step;
+    const bf16* g = p.gate + t * p.ld_gate + c;
+    const bf16* u = p.up + t * p.ld_up + c;
+    bf16* o = p.out + t * p.ld_out + c;
+    if (vec) {
+      const uint4 gv = ldg_u4(g), uv = ldg_u4(u);
+      uint4 r;
+      r.x = pack_bf16x2(silu(u4_bf16(gv, 0)) * u4_bf16(uv, 0), silu(u4_bf16(gv, 1)) * u4_bf16(uv, 1));
+      r.y = pack_bf16x2(silu(u4_bf16(gv, 2)) * u4_bf16(uv, 2), silu(u4_bf16(gv, 3)) * u4_bf16(uv, 3));
+      r.z = pack_bf16x2(silu(u4_bf16(gv, 4)) * u4_bf16(uv, 4), silu(u4_bf16(gv, 5)) * u4_bf16(uv, 5));
+      r.w = pack_bf16x2(silu(u4_bf16(gv, 6)) * u4_bf16(uv, 6), silu(u4_bf16(gv, 7)) * u4_bf16(uv, 7));
+      *reinterpret_cast<uint4*>(o) = r;
+    } else {
+      *o = __float2bfloat16(silu(__bfloat162float(*g)) * __bfloat162float(*u));
+    }
+  }
+}
+
+__global__ void add_kernel(AddParams p, bool vec) {
+  const int step = vec ? 8 : 1;
+  const int per_row = ceil_div(p.cols, step);
+  const int64_t n = static_cast<int64_t>(p.T) * per_row;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / per_row;
+    const int c = static_cast<int>(i % per_row) * step;
+    const bf16* x = p.x + t * p.ld_x + c;
+    bf16* io = p.inout + t * p.ld_inout + c;
+    if (vec) {
+      const uint4 a = ldg_u4(x);
+      const uint4 b = *reinterpret_cast<const uint4*>(io);
+      uint4 r;
+      r.x = pack_bf16x2(u4_bf16(a, 0) + u4_bf16(b, 0), u4_bf16(a, 1) + u4_bf16(b, 1));
+      r.y = pack_bf16x2(u4_bf16(a, 2) + u4_bf16(b, 2), u4_bf16(a, 3) + u4_bf16(b, 3));
+      r.z = pack_bf16x2(u4_bf16(a, 4) + u4_bf16(b, 4), u4_bf16(a, 5) + u4_bf16(b, 5));
+      r.w = pack_bf16x2(u4_bf16(a, 6) + u4_bf16(b, 6), u4_bf16(a, 7) + u4_bf16(b, 7));
+      *reinterpret_cast<uint4*>(io) = r;
+    } else {
+      *io = __float2bfloat16(__bfloat162float(*x) + __bfloat162float(*io));
+    }
+  }
+}
+
+template <typename In, typename Out>
+__global__ void convert_kernel(ConvertParams p) {
+  const int64_t n = static_cast<int64_t>(p.T) * p.cols;
+  const In* in = static_cast<const In*>(p.in);
+  Out* out = static_cast<Out*>(p.out);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / p.cols;
+    const int c = static_cast<int>(i % p.cols);
+    const In v = in[t * p.ld_in + c];
+    if constexpr (sizeof(Out) == 4)
+      out[t * p.ld_out + c] = __bfloat162float(v);
+    else
+      out[t * p.ld_out + c] = __float2bfloat16(v);
+  }
+}
+
+// ---- Row gather: one block per output row, byte copy in the widest unit the layout allows.
+template <typename Unit>
+__global__ void gather_rows_kernel(GatherRowsParams p, int units_per_row, int64_t ld_x_units,
+                                   int64_t ld_out_units) {
+  const int r = blockIdx.x;
+  const Unit* src = static_cast<const Unit*>(p.x) + static_cast<int64_t>(p.rows[r]) * ld_x_units;
+  Unit* dst = static_cast<Unit*>(p.out) + r * ld_out_units;
+  for (int c = threadIdx.x; c < units_per_row; c += blockDim.x) dst[c] = src[c];
+}
+
+// ---- MLA k/v split: one block per token.
+__global__ void mla_split_kv_kernel(MlaSplitKvParams p) {
+  const int64_t t = blockIdx.x;
+  const bf16* src = p.kv + t * p.ld_kv;
+  const bf16* pe = p.k_pe + t * p.ld_k_pe;
+  bf16* k = p.k + t * p.ld_k;
+  bf16* v = p.v + t * p.ld_v;
+  const int kw = p.nope + p.rope, sw = p.nope + p.v_dim;
+  for (int i = threadIdx.x; i < p.heads * kw; i += blockDim.x) {
+    const int h = i / kw, d = i % kw;
+    k[i] = d < p.nope ? src[h * sw + d] : pe[d - p.nope];
+  }
+  for (int i = threadIdx.x; i < p.heads * p.v_dim; i += blockDim.x) {
+    const int h = i / p.v_dim, d = i % p.v_dim;
+    v[i] = src[h * sw + p.nope + d];
+  }
+}
+
+}  // namespace
+
+void launch_embed(const EmbedParams& p, cudaStream_t stream) {
+  if (p.T == 0) return;
+  const bool vec = vec8_ok(p.table, p.hidden, p.out, p.ld_out, p.hidden);
+  embed_kernel<<<p.T, 128, 0, stream>>>(p, vec);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+void launch_rmsnorm(const RmsNormParams& p, cudaStream_t stream) {
+  MOELORA_CHECK(p.group > 0 && p.cols % p.group == 0);
+  if (p.T == 0) return;
+  const int64_t groups = static_cast<int64_t>(p.T) * (p.cols / p.group);
+  if (p.group <= kSmallGroupMax) {
+    const int warps = 4;
+    rmsnorm_warp_kernel<<<static_cast<unsigned>(ceil_div64(groups, warps)), warps * 32, 0, stream>>>(p);
+  } else {
+    const bool vec = vec8_ok(p.x, p.ld_x, p.out, p.ld_out, p.group) && p.group % 8 == 0 &&
+                     (reinterpret_cast<uintptr_t>(p.w) & 15u) == 0;
+    rmsnorm_block_kernel<<<static_cast<unsigned>(groups), kThreads, 0, stream>>>(p, vec);
+  }
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+void launch_rope(const RopeParams& p, cudaStream_t stream) {
+  MOELORA_CHECK(p.rot_dim % 2 == 0 && p.rot_offset + p.rot_dim <= p.head_stride);
+  if (p.T == 0 || p.rot_dim == 0) return;
+  const int64_t n = static_cast<int64_t>(p.T) * (p.rot_dim / 2);
+  rope_kernel<<<static_cast<unsigned>(ceil_div64(n, 128)), 128, 0, stream>>>(p);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+void launch_silu_mul(const SiluMulParams& p, cudaStream_t stream) {
+  if (p.T == 0 || p.cols == 0) return;
+  const bool vec = vec8_ok(p.gate, p.ld_gate, p.up, p.ld_up, p.cols) && vec8_ok(p.out, p.ld_out, p.out, p.ld_out, p.cols);
+  const int64_t n = static_cast<int64_t>(p.T) * ceil_div(p.cols, vec ? 8 : 1);
+  silu_mul_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(p, vec);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+void launch_add(const AddParams& p, cudaStream_t stream) {
+  if (p.T == 0 || p.cols == 0) return;
+  const bool vec = vec8_ok(p.x, p.ld_x, p.inout, p.ld_inout, p.cols);
+  const int64_t n = static_cast<int64_t>(p.T) * ceil_div(p.cols, vec ? 8 : 1);
+  add_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(p, vec);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+void launch_gather_rows(const GatherRowsParams& p, cudaStream_t stream) {
+  MOELORA_CHECK(p.elem_bytes == 2 || p.elem_bytes == 4);
+  if (p.R == 0 || p.cols == 0) return;
+  const int64_t row_bytes = static_cast<int64_t>(p.cols) * p.elem_bytes;
+  const int64_t ldx_b = p.ld_x * p.elem_bytes, ldo_b = p.ld_out * p.elem_bytes;
+  const bool v16 = row_bytes % 16 == 0 && ldx_b % 16 == 0 && ldo_b % 16 == 0 &&
+                   (reinterpret_cast<uintptr_t>(p.x) & 15u) == 0 && (reinterpret_cast<uintptr_t>(p.out) & 15u) == 0;
+  if (v16) {
+    gather_rows_kernel<uint4><<<p.R, 128, 0, stream>>>(p, static_cast<int>(row_bytes / 16), ldx_b / 16, ldo_b / 16);
+  } else if (p.elem_bytes == 4) {
+    gather_rows_kernel<uint32_t><<<p.R, 128, 0, stream>>>(p, p.cols, p.ld_x, p.ld_out);
+  } else {
+    gather_rows_kernel<uint16_t><<<p.R, 128, 0, stream>>>(p, p.cols, p.ld_x, p.ld_out);
+  }
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+void launch_mla_split_kv(const MlaSplitKvParams& p, cudaStream_t stream) {
+  if (p.T == 0) return;
+  mla_split_kv_kernel<<<p.T, 128, 0, stream>>>(p);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+void launch_bf16_to_f32(const ConvertParams& p, cudaStream_t stream) {
+  if (p.T == 0 || p.cols == 0) return;
+  convert_kernel<bf16, float><<<grid_for(static_cast<int64_t>(p.T) * p.cols, kThreads), kThreads, 0, stream>>>(p);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+void launch_f32_to_bf16(const ConvertParams& p, cudaStream_t stream) {
+  if (p.T == 0 || p.cols == 0) return;
+  convert_kernel<float, bf16><<<grid_for(static_cast<int64_t>(p.T) * p.cols, kThreads), kThreads, 0, stream>>>(p);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moelora::cuda

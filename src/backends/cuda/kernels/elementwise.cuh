@@ -1,0 +1,131 @@
+// Elementwise and small per-row kernels of the forward pass (embedding, RMSNorm, RoPE, SiLU·mul,
+// residual add, row gathers, MLA k/v split, dtype conversion). Activations are bf16 row-major
+// [rows, cols] with a row stride `ld*` in elements (column slices are views). Each launch takes
+// one params struct and a stream, allocates nothing and never synchronises (CUDA-graph safe).
+// Semantics are those of backends/cpu (cpu_ops.h, cpu_backend.cpp); docs/numerics.md says how
+// close each lands.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moelora::cuda {
+
+// out[t] = table[ids[t]] for t < T. An id outside [0, vocab) writes a zero row (the runtime
+// validates ids before a step; the kernel never reads outside the table).
+struct EmbedParams {
+  const __nv_bfloat16* table = nullptr;  // [vocab, hidden]
+  int64_t vocab = 0;
+  int hidden = 0;
+  const int32_t* ids = nullptr;  // [T] device
+  int T = 0;
+  __nv_bfloat16* out = nullptr;
+  int64_t ld_out = 0;
+};
+void launch_embed(const EmbedParams& p, cudaStream_t stream);
+
+// Each group of `group` consecutive values of each row (cols = k * group) is divided by its RMS
+// and multiplied by w[0..group): y = x / sqrt(mean(x^2) + eps) * w. x and out may alias.
+// group = hidden for the layer norms, = head_dim for Qwen3's per-head q/k norms.
+struct RmsNormParams {
+  const __nv_bfloat16* x = nullptr;
+  int64_t ld_x = 0;
+  const __nv_bfloat16* w = nullptr;  // [group]
+  int group = 0;
+  int cols = 0;
+  int T = 0;
+  float eps = 1e-6f;
+  __nv_bfloat16* out = nullptr;
+  int64_t ld_out = 0;
+};
+void launch_rmsnorm(const RmsNormParams& p, cudaStream_t stream);
+
+// In place on x [T, heads * head_stride]: rotates dims [rot_offset, rot_offset + rot_dim) of every
+// head by angle = float(pos[t]) * inv_freq[i] (f32, as transformers), cos/sin times
+// attention_factor. Neox pairs (i, i + rot_dim/2); interleaved pairs (2i, 2i + 1).
+struct RopeParams {
+  __nv_bfloat16* x = nullptr;
+  int64_t ld_x = 0;
+  int T = 0;
+  const int32_t* positions = nullptr;  // [T] device
+  int heads = 0;
+  int head_stride = 0;
+  int rot_offset = 0;
+  int rot_dim = 0;
+  bool interleaved = false;
+  const float* inv_freq = nullptr;  // [rot_dim / 2] device
+  float attention_factor = 1.0f;
+};
+void launch_rope(const RopeParams& p, cudaStream_t stream);
+
+// out[t, i] = silu(gate[t, i]) * up[t, i] (gate and up usually column halves of one tensor).
+struct SiluMulParams {
+  const __nv_bfloat16* gate = nullptr;
+  int64_t ld_gate = 0;
+  const __nv_bfloat16* up = nullptr;
+  int64_t ld_up = 0;
+  int T = 0;
+  int cols = 0;
+  __nv_bfloat16* out = nullptr;
+  int64_t ld_out = 0;
+};
+void launch_silu_mul(const SiluMulParams& p, cudaStream_t stream);
+
+// inout += x (sum in f32, one rounding to bf16).
+struct AddParams {
+  const __nv_bfloat16* x = nullptr;
+  int64_t ld_x = 0;
+  __nv_bfloat16* inout = nullptr;
+  int64_t ld_inout = 0;
+  int T = 0;
+  int cols = 0;
+};
+void launch_add(const AddParams& p, cudaStream_t stream);
+
+// out[r] = x[rows[r]] for r < R; elements of `elem_bytes` (2 for bf16 activations, 4 for f32).
+struct GatherRowsParams {
+  const void* x = nullptr;
+  int64_t ld_x = 0;  // elements
+  const int32_t* rows = nullptr;  // [R] device
+  int R = 0;
+  int cols = 0;
+  int elem_bytes = 2;
+  void* out = nullptr;
+  int64_t ld_out = 0;  // elements
+};
+void launch_gather_rows(const GatherRowsParams& p, cudaStream_t stream);
+
+// DeepSeek MLA: kv [T, heads*(nope+v_dim)] and the rotated k_pe [T, rope] (shared by all heads)
+// give k [T, heads*(nope+rope)] = per head (k_nope, k_pe) and v [T, heads*v_dim].
+struct MlaSplitKvParams {
+  const __nv_bfloat16* kv = nullptr;
+  int64_t ld_kv = 0;
+  const __nv_bfloat16* k_pe = nullptr;
+  int64_t ld_k_pe = 0;
+  int T = 0;
+  int heads = 0;
+  int nope = 0;
+  int rope = 0;
+  int v_dim = 0;
+  __nv_bfloat16* k = nullptr;
+  int64_t ld_k = 0;
+  __nv_bfloat16* v = nullptr;
+  int64_t ld_v = 0;
+};
+void launch_mla_split_kv(const MlaSplitKvParams& p, cudaStream_t stream);
+
+// dtype conversion of a [T, cols] matrix (f32 -> bf16 rounds to nearest even).
+struct ConvertParams {
+  const void* in = nullptr;
+  int64_t ld_in = 0;
+  void* out = nullptr;
+  int64_t ld_out = 0;
+  int T = 0;
+  int cols = 0;
+};
+void launch_bf16_to_f32(const ConvertParams& p, cudaStream_t stream);
+void launch_f32_to_bf16(const ConvertParams& p, cudaStream_t stream);
+
+}  // namespace moelora::cuda

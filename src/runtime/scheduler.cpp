@@ -1,0 +1,191 @@
+#include "runtime/scheduler.h"
+
+#include <algorithm>
+
+#include "core/check.h"
+
+namespace moelora {
+
+Scheduler::Scheduler(const EngineOptions& opts, KvCacheManager& kv, LoraSlotPool& slots, AdapterRegistry& registry)
+    : opts_(opts), kv_(kv), slots_(slots), registry_(registry) {}
+
+void Scheduler::add(std::unique_ptr<Sequence> seq) { waiting_.push_back(std::move(seq)); }
+
+bool Scheduler::ensure_pages(Sequence& s, int upto_tokens) {
+  const int P = kv_.page_size();
+  while (static_cast<int>(s.pages.size()) * P < upto_tokens) {
+    auto p = kv_.allocate();
+    if (!p) return false;
+    s.pages.push_back(*p);
+  }
+  return true;
+}
+
+void Scheduler::release_resources(Sequence& s) {
+  // Full pages of computed tokens go to the prefix cache before this sequence lets go of them.
+  kv_.insert_prefix(s.adapter_id, s.tokens, s.pages, s.num_computed / kv_.page_size());
+  for (int p : s.pages) kv_.release(p);
+  s.pages.clear();
+  s.num_computed = 0;
+  if (s.slot >= 0) {
+    slots_.release(s.slot);
+    s.slot = -1;
+  }
+}
+
+void Scheduler::preempt_youngest(const Sequence* keep) {
+  // Youngest = latest arrival; it goes back to the head of the queue and is recomputed.
+  auto it = std::max_element(running_.begin(), running_.end(), [&](const auto& a, const auto& b) {
+    if ((a.get() == keep) != (b.get() == keep)) return a.get() == keep;  // never pick `keep` first
+    return a->arrival < b->arrival;
+  });
+  MOELORA_CHECK(it != running_.end());
+  std::unique_ptr<Sequence> s = std::move(*it);
+  running_.erase(it);
+  release_resources(*s);
+  ++preemptions_;
+  waiting_.push_front(std::move(s));
+}
+
+Status Scheduler::admit_adapter(Sequence& s) {
+  if (s.req.adapter.empty()) return {};
+  if (!s.adapter) {
+    MOELORA_ASSIGN_OR_RETURN(s.adapter, registry_.get(s.req.adapter));
+  }
+  s.adapter_id = registry_.generation(s.req.adapter);
+  MOELORA_ASSIGN_OR_RETURN(s.slot, slots_.acquire(s.adapter));
+  return {};
+}
+
+ScheduledStep Scheduler::schedule(std::vector<std::pair<std::unique_ptr<Sequence>, Status>>* failed) {
+  ScheduledStep step;
+  int budget = opts_.max_batch_tokens;
+  std::vector<std::pair<Sequence*, int>> plan;  // (sequence, new tokens)
+
+  // 1. Running sequences: decodes first (one token), then prefill chunks.
+  std::vector<Sequence*> order;
+  for (auto& s : running_) order.push_back(s.get());
+  std::stable_sort(order.begin(), order.end(), [](const Sequence* a, const Sequence* b) {
+    const bool da = a->num_computed >= a->prompt_len, db = b->num_computed >= b->prompt_len;
+    if (da != db) return da;
+    return a->arrival < b->arrival;
+  });
+  for (size_t i = 0; i < order.size(); ++i) {
+    Sequence* s = order[i];
+    if (std::find_if(running_.begin(), running_.end(), [&](const auto& r) { return r.get() == s; }) == running_.end())
+      continue;  // preempted below to make room for an older one
+    const int remaining = static_cast<int>(s->tokens.size()) - s->num_computed;
+    const int n = std::min(remaining, budget);
+    if (n <= 0) continue;
+    bool ok = ensure_pages(*s, s->num_computed + n);
+    while (!ok && running_.size() > 1) {
+      preempt_youngest(s);
+      if (std::find_if(running_.begin(), running_.end(), [&](const auto& r) { return r.get() == s; }) == running_.end())
+        break;
+      ok = ensure_pages(*s, s->num_computed + n);
+    }
+    if (!ok) {
+      // Alone and still out of pages: the request cannot fit; preempting it would loop forever.
+      auto it = std::find_if(running_.begin(), running_.end(), [&](const auto& r) { return r.get() == s; });
+      if (it != running_.end()) {
+        std::unique_ptr<Sequence> dead = std::move(*it);
+        running_.erase(it);
+        release_resources(*dead);
+        failed->emplace_back(std::move(dead), make_error(ErrorCode::kResourceExhausted,
+                                                         "the KV cache is too small for this request"));
+      }
+      continue;
+    }
+    plan.emplace_back(s, n);
+    budget -= n;
+  }
+  // Drop plan entries of sequences preempted after they were planned.
+  plan.erase(std::remove_if(plan.begin(), plan.end(),
+                            [&](const auto& e) {
+                              return std::find_if(running_.begin(), running_.end(), [&](const auto& r) {
+                                       return r.get() == e.first;
+                                     }) == running_.end();
+                            }),
+             plan.end());
+
+  // 2. Admit waiting requests (FCFS, skipping ones whose adapter has no free slot).
+  for (auto it = waiting_.begin(); it != waiting_.end() && budget > 0 &&
+                                   static_cast<int>(running_.size()) < opts_.max_num_seqs;) {
+    Sequence& s = **it;
+    if (!s.req.adapter.empty() && s.adapter && !slots_.can_acquire(s.adapter.get())) {
+      ++it;
+      continue;
+    }
+    Status st = admit_adapter(s);
+    if (!st.ok()) {
+      if (st.code() == ErrorCode::kResourceExhausted) {  // no slot now: wait, let others pass
+        ++it;
+        continue;
+      }
+      failed->emplace_back(std::move(*it), st);
+      it = waiting_.erase(it);
+      continue;
+    }
+    // Prefix cache: reuse full pages, always leaving at least one token to compute.
+    const int P = kv_.page_size();
+    const int max_pages = (static_cast<int>(s.tokens.size()) - 1) / P;
+    s.pages = kv_.match_prefix(s.adapter_id, s.tokens, max_pages);
+    s.num_computed = static_cast<int>(s.pages.size()) * P;
+    prefix_queries_ += s.tokens.size();
+    prefix_hits_ += s.num_computed;
+    if (s.generated() == 0) s.cached_tokens = s.num_computed;
+    const int n = std::min(static_cast<int>(s.tokens.size()) - s.num_computed, budget);
+    if (!ensure_pages(s, s.num_computed + n)) {
+      release_resources(s);  // memory pressure: stop admitting this step
+      break;
+    }
+    plan.emplace_back(&s, n);
+    budget -= n;
+    running_.push_back(std::move(*it));
+    it = waiting_.erase(it);
+  }
+
+  // 3. The batch.
+  for (auto& [s, n] : plan) {
+    const int seq_index = step.batch.num_seqs();
+    step.batch.seq_pages.push_back(s->pages);
+    for (int i = 0; i < n; ++i) {
+      const int pos = s->num_computed + i;
+      step.batch.token_ids.push_back(s->tokens[pos]);
+      step.batch.positions.push_back(pos);
+      step.batch.token_seq.push_back(seq_index);
+      step.batch.token_slot.push_back(s->slot);
+    }
+    step.seqs.push_back(s);
+    step.new_tokens.push_back(n);
+    if (s->num_computed + n == static_cast<int>(s->tokens.size())) {
+      step.batch.logit_rows.push_back(step.batch.num_tokens() - 1);
+      step.samplers.push_back(s);
+    }
+  }
+  return step;
+}
+
+void Scheduler::step_done(const ScheduledStep& step) {
+  for (size_t i = 0; i < step.seqs.size(); ++i) step.seqs[i]->num_computed += step.new_tokens[i];
+}
+
+std::unique_ptr<Sequence> Scheduler::remove(const std::string& id) {
+  for (auto it = running_.begin(); it != running_.end(); ++it)
+    if ((*it)->req.id == id) {
+      std::unique_ptr<Sequence> s = std::move(*it);
+      running_.erase(it);
+      release_resources(*s);
+      return s;
+    }
+  for (auto it = waiting_.begin(); it != waiting_.end(); ++it)
+    if ((*it)->req.id == id) {
+      std::unique_ptr<Sequence> s = std::move(*it);
+      waiting_.erase(it);
+      release_resources(*s);
+      return s;
+    }
+  return nullptr;
+}
+
+}  // namespace moelora

@@ -1,0 +1,61 @@
+#include "tools/common.h"
+
+#include <algorithm>
+#include <charconv>
+#include <filesystem>
+
+#include "tools/commands.h"
+
+namespace moelora::tools {
+
+namespace fs = std::filesystem;
+
+std::string default_model_dir() {
+  // The source tree's copy (this binary was built from it), else next to the executable.
+  std::error_code ec;
+  const fs::path src = fs::path(MOELORA_SOURCE_DIR) / "models" / "tiny-qwen3moe";
+  if (fs::exists(src / "config.json", ec)) return src.string();
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    for (fs::path p : {exe.parent_path() / "models" / "tiny-qwen3moe",
+                       exe.parent_path().parent_path() / "share" / "moelora" / "models" / "tiny-qwen3moe"})
+      if (fs::exists(p / "config.json", ec)) return p.string();
+  }
+  return "";
+}
+
+Result<std::pair<std::string, std::string>> parse_name_path(const std::string& spec) {
+  const size_t eq = spec.find('=');
+  if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size())
+    return invalid_argument("expected NAME=PATH, got '{}'", spec);
+  return std::make_pair(spec.substr(0, eq), spec.substr(eq + 1));
+}
+
+Result<std::vector<int32_t>> parse_ids(const std::string& text) {
+  std::vector<int32_t> ids;
+  size_t i = 0;
+  while (i < text.size()) {
+    while (i < text.size() && (text[i] == ',' || text[i] == ' ')) ++i;
+    if (i == text.size()) break;
+    int32_t v = 0;
+    auto [p, ec] = std::from_chars(text.data() + i, text.data() + text.size(), v);
+    if (ec != std::errc() || v < 0) return invalid_argument("'{}' is not a list of token ids", text);
+    ids.push_back(v);
+    i = static_cast<size_t>(p - text.data());
+  }
+  return ids;
+}
+
+std::vector<std::pair<std::string, std::string>> bundled_adapters(const std::string& model_dir) {
+  std::vector<std::pair<std::string, std::string>> out;
+  std::error_code ec;
+  const fs::path root = fs::path(model_dir) / "adapters";
+  if (!fs::is_directory(root, ec)) return out;
+  for (const auto& e : fs::directory_iterator(root, ec))
+    if (e.is_directory() && fs::exists(e.path() / "adapter_config.json", ec))
+      out.emplace_back(e.path().filename().string(), e.path().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace moelora::tools

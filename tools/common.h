@@ -1,0 +1,19 @@
+// Helpers shared by the subcommands.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/status.h"
+
+namespace moelora::tools {
+
+// "name=path" -> (name, path).
+Result<std::pair<std::string, std::string>> parse_name_path(const std::string& spec);
+// "1,2,3" or "1 2 3" -> ids.
+Result<std::vector<int32_t>> parse_ids(const std::string& text);
+// The adapters that ship with a model folder (<dir>/adapters/<name>), sorted by name.
+std::vector<std::pair<std::string, std::string>> bundled_adapters(const std::string& model_dir);
+
+}  // namespace moelora::tools
