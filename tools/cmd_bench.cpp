@@ -1,16 +1,211 @@
-// Placeholder: replaced when this subcommand lands.
+// moelora bench: decode / prefill step time of a full-size model (shapes from a config.json) with
+// random weights made on the device, for batch sizes x numbers of distinct adapters, against the
+// memory floor of the same shapes (weights touched + LoRA factors touched + KV read, over HBM
+// bandwidth; docs/reference performance-floors §C).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <filesystem>
 
+#include <fmt/format.h>
+
+#include "io/mapped_file.h"
+#include "model/archs.h"
+#include "model/model.h"
+#include "runtime/backend_factory.h"
 #include "tools/commands.h"
 
 namespace moelora::tools {
 
+namespace {
+
+struct Args {
+  std::string config;
+  BackendOptions backend;
+  int layers = 0;
+  std::vector<int> batches = {1, 8, 64, 128};
+  std::vector<int> adapters = {0, 1, 8};
+  int rank = 16;
+  int context = 512;
+  int prefill = 0;  // > 0: also time a prefill step of this many tokens per sequence
+  int iters = 10;
+  double hbm_tbps = 4.3;  // H200 copy bandwidth measured in this workplace
+};
+
+// Random LoRA factors for every dense projection and the routed experts of every layer.
+struct RandomAdapters {
+  std::vector<std::unique_ptr<LoraModuleTable>> dense;
+  std::vector<std::unique_ptr<MoeLoraTable>> experts;
+  std::vector<Tensor> keep;
+  LoraTables tables;
+};
+
+RandomAdapters make_adapters(const ModelConfig& c, Backend& b, int slots, int rank) {
+  RandomAdapters r;
+  r.tables.resize(c.num_layers);
+  const DType dt = b.lora_dtype();
+  uint64_t seed = 1000;
+  auto rnd = [&](std::vector<int64_t> shape) {
+    Tensor t = b.random_tensor(dt, shape, ++seed, 0.01f);
+    r.keep.push_back(t);
+    return t;
+  };
+  for (int l = 0; l < c.num_layers; ++l) {
+    for (int t = 0; t < kNumLoraTargets; ++t) {
+      auto [in, out] = lora_target_shape(c, l, static_cast<LoraTarget>(t));
+      if (in == 0) continue;
+      r.dense.push_back(std::make_unique<LoraModuleTable>(b.alloc_lora_table(slots, in, out)));
+      for (int s = 0; s < slots; ++s) b.set_lora_slot(*r.dense.back(), s, rnd({rank, in}), rnd({out, rank}), rank);
+      r.tables[l].dense[t] = r.dense.back().get();
+    }
+    if (!c.layer_is_moe[l]) continue;
+    const int64_t E = c.num_experts, H = c.hidden_size, I = c.moe_intermediate_size;
+    r.experts.push_back(std::make_unique<MoeLoraTable>(b.alloc_moe_lora_table(slots, c.num_experts, c.hidden_size,
+                                                                              c.moe_intermediate_size)));
+    for (int s = 0; s < slots; ++s) {
+      Backend::MoeLoraSlot m;
+      m.gu_a = rnd({E, rank, H});
+      m.gu_b = rnd({E, 2 * I, rank});
+      m.d_a = rnd({E, rank, I});
+      m.d_b = rnd({E, H, rank});
+      m.gu_rank = m.d_rank = rank;
+      m.gu_a_stride = rank * H;
+      m.gu_b_stride = 2 * I * rank;
+      m.d_a_stride = rank * I;
+      m.d_b_stride = H * rank;
+      b.set_moe_lora_slot(*r.experts.back(), s, m);
+    }
+    r.tables[l].experts = r.experts.back().get();
+  }
+  return r;
+}
+
+// Bytes a decode step must read at least (performance-floors.md §C.1, with our LoRA layout).
+double floor_bytes(const ModelConfig& c, int B, int N, int rank, int context) {
+  const double wbytes = c.fp8 ? 1.0 + 4.0 / (128 * 128) : 2.0;
+  const double H = c.hidden_size, E = c.num_experts, k = c.top_k, I = c.moe_intermediate_size;
+  auto distinct = [&](double tokens) { return E * (1.0 - std::pow(1.0 - k / E, tokens)); };
+  double total = 2.0 * c.vocab_size * H;  // bf16 lm_head
+  const int n_eff = std::min(N, B);
+  for (int l = 0; l < c.num_layers; ++l) {
+    double attn = 0, lora_dense = 0;
+    for (int t = 0; t < kNumLoraTargets; ++t) {
+      auto [in, out] = lora_target_shape(c, l, static_cast<LoraTarget>(t));
+      if (in == 0) continue;
+      attn += static_cast<double>(in) * out * wbytes;
+      lora_dense += 2.0 * rank * (in + out);
+    }
+    total += attn + n_eff * lora_dense;
+    if (c.layer_is_moe[l]) {
+      total += 2.0 * E * H + distinct(B) * 3 * H * I * wbytes;
+      // Each adapter's tokens touch their own experts: sum over adapters of D(tokens of adapter).
+      double pairs = 0;
+      for (int a = 0; a < n_eff; ++a) pairs += distinct(static_cast<double>(B) / n_eff);
+      total += pairs * 2.0 * rank * (2 * H + 3 * I);
+    }
+  }
+  total += static_cast<double>(B) * context * c.num_layers * c.attn_kv_heads() *
+           (c.attn_k_head_dim() + c.attn_v_head_dim()) * 2.0;
+  return total;
+}
+
+int run(Args a) {
+  std::string path = a.config;
+  if (std::filesystem::is_directory(path)) path = (std::filesystem::path(path) / "config.json").string();
+  auto text = read_text_file(path);
+  if (!text.ok()) {
+    std::fprintf(stderr, "moelora bench: %s\n", text.status().message().c_str());
+    return 2;
+  }
+  auto cfg = parse_model_config(*text, path);
+  if (!cfg.ok()) {
+    std::fprintf(stderr, "moelora bench: %s\n", cfg.status().message().c_str());
+    return 2;
+  }
+  ModelConfig c = *cfg;
+  if (a.layers > 0 && a.layers < c.num_layers) {  // a slice of a model too large for one GPU
+    c.num_layers = a.layers;
+    c.layer_is_moe.resize(a.layers);
+  }
+  auto backend = make_backend(a.backend);
+  if (!backend.ok()) {
+    std::fprintf(stderr, "moelora bench: %s\n", backend.status().message().c_str());
+    return 2;
+  }
+  Backend& b = **backend;
+  auto model = Model::random(c, b, 7);
+  const int max_n = *std::max_element(a.adapters.begin(), a.adapters.end());
+  RandomAdapters ad = make_adapters(c, b, std::max(1, max_n), a.rank);
+  const int max_b = *std::max_element(a.batches.begin(), a.batches.end());
+  const int page = 16, per_seq = (a.context + a.iters + 8 + std::max(a.prefill, 1)) / page + 2;
+  auto kv = model->alloc_kv_cache(per_seq * max_b, page);
+  std::printf("bench: %s (%s), %d layers, backend %s, %s, rank %d, context %d, floor at %.1f TB/s\n",
+              arch_name(c.arch), path.c_str(), c.num_layers, b.name().c_str(), c.fp8 ? "FP8" : "bf16", a.rank,
+              a.context, a.hbm_tbps);
+  std::printf("%6s %9s %12s %12s %12s %10s\n", "batch", "adapters", "step_us", "tok/s", "floor_us", "x_floor");
+  for (int B : a.batches)
+    for (int N : a.adapters) {
+      auto step_batch = [&](int pos, int tokens_per_seq) {
+        StepBatch s;
+        for (int q = 0; q < B; ++q) {
+          std::vector<int32_t> pages;
+          for (int p = 0; p < per_seq; ++p) pages.push_back(q * per_seq + p);
+          s.seq_pages.push_back(pages);
+          for (int i = 0; i < tokens_per_seq; ++i) {
+            s.token_ids.push_back((q * 31 + pos + i) % c.vocab_size);
+            s.positions.push_back(pos + i);
+            s.token_seq.push_back(q);
+            s.token_slot.push_back(N > 0 ? q % N : -1);
+          }
+          s.logit_rows.push_back(s.num_tokens() - 1);
+        }
+        return s;
+      };
+      const LoraTables* tables = N > 0 ? &ad.tables : nullptr;
+      std::vector<double> us;
+      for (int it = 0; it < a.iters + 3; ++it) {  // 3 warm-up steps: eager, capture, first replay
+        StepBatch s = step_batch(a.context + it, 1);
+        auto t0 = std::chrono::steady_clock::now();
+        model->forward(s, kv, tables);  // ends with a synchronous read of the logits
+        auto t1 = std::chrono::steady_clock::now();
+        if (it >= 3) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+      }
+      std::sort(us.begin(), us.end());
+      const double med = us[us.size() / 2];
+      const double floor_us = floor_bytes(c, B, N, a.rank, a.context) / (a.hbm_tbps * 1e12) * 1e6;
+      std::printf("%6d %9d %12.1f %12.0f %12.1f %10.2f\n", B, N, med, B / (med * 1e-6), floor_us, med / floor_us);
+      if (a.prefill > 0) {
+        StepBatch s = step_batch(0, a.prefill);
+        model->forward(s, kv, tables);
+        auto t0 = std::chrono::steady_clock::now();
+        model->forward(s, kv, tables);
+        const double pu = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+        std::printf("%6s prefill %d x %d tokens: %.1f us, %.0f tok/s\n", "", B, a.prefill, pu, B * a.prefill / (pu * 1e-6));
+      }
+      std::fflush(stdout);
+    }
+  return 0;
+}
+
+}  // namespace
+
 void register_bench(CLI::App& app, int& exit_code) {
-  auto* cmd = app.add_subcommand("bench", "(not built yet)");
-  cmd->callback([&exit_code] {
-    std::fprintf(stderr, "moelora: this subcommand is not built yet\n");
-    exit_code = 2;
-  });
+  auto* cmd = app.add_subcommand("bench", "Step time of a full-size model with random weights, vs its memory floor");
+  auto a = std::make_shared<Args>();
+  cmd->add_option("--config", a->config, "a config.json or a folder holding one (only shapes are read)")->required();
+  cmd->add_option("--backend", a->backend.name, "cpu or cuda")->capture_default_str();
+  cmd->add_flag("!--no-graphs", a->backend.cuda_graphs, "CUDA: no graph replay");
+  cmd->add_flag("!--no-overlap", a->backend.cuda_overlap, "CUDA: LoRA on the main stream");
+  cmd->add_option("--layers", a->layers, "use only the first N layers (models larger than one GPU)");
+  cmd->add_option("--batch", a->batches, "decode batch sizes")->delimiter(',')->capture_default_str();
+  cmd->add_option("--adapters", a->adapters, "distinct adapters per batch (0 = base)")->delimiter(',')->capture_default_str();
+  cmd->add_option("--rank", a->rank, "LoRA rank on every linear layer incl. experts")->capture_default_str();
+  cmd->add_option("--context", a->context, "tokens already in each sequence's KV cache")->capture_default_str();
+  cmd->add_option("--prefill", a->prefill, "also time a prefill of N tokens per sequence")->capture_default_str();
+  cmd->add_option("--iters", a->iters, "timed steps per point (median reported)")->capture_default_str();
+  cmd->add_option("--hbm-tbps", a->hbm_tbps, "bandwidth for the floor")->capture_default_str();
+  cmd->callback([a, &exit_code] { exit_code = run(*a); });
 }
 
 }  // namespace moelora::tools

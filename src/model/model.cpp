@@ -84,8 +84,21 @@ std::vector<KvLayer> Model::alloc_kv_cache(int num_pages, int page_size) const {
 
 Tensor Model::forward(const StepBatch& batch, std::vector<KvLayer>& kv, const LoraTables* lora) {
   Backend& b = backend_;
+  const StepBatch& step = b.begin_step(batch);  // possibly padded to a captured graph's size
+  Tensor logits;
+  if (b.step_mode() == Backend::StepMode::kReplay) {
+    logits = b.step_output();
+  } else {
+    logits = forward_body(step, kv, lora);
+    b.end_step_body(logits);
+  }
+  // Padding rows (if any) come after the real ones.
+  return b.to_host_f32(logits.slice_rows(0, static_cast<int64_t>(batch.logit_rows.size())));
+}
+
+Tensor Model::forward_body(const StepBatch& batch, std::vector<KvLayer>& kv, const LoraTables* lora) {
+  Backend& b = backend_;
   const int T = batch.num_tokens();
-  b.begin_step(batch);
   Tensor h = b.alloc_act(T, cfg_.hidden_size);
   b.embed(weights_.embed, h);
   Tensor x = b.alloc_act(T, cfg_.hidden_size);
@@ -93,12 +106,14 @@ Tensor Model::forward(const StepBatch& batch, std::vector<KvLayer>& kv, const Lo
   for (int l = 0; l < cfg_.num_layers; ++l) {
     const LayerWeights& lw = weights_.layers[l];
     const LayerLoraTables* ll = lora ? &(*lora)[l] : nullptr;
+    const size_t mark = b.scratch_mark();  // this layer's scratch is given back at its end
     b.rmsnorm(h, lw.input_norm, eps, x);
     Tensor a = cfg_.is_mla() ? attention_mla(l, x, kv[l], ll) : attention_gqa(l, x, kv[l], ll);
     b.add(a, h);
     b.rmsnorm(h, lw.post_attention_norm, eps, x);
     Tensor m = lw.is_moe ? moe(l, x, ll) : mlp(lw.mlp, x, ll, false);
     b.add(m, h);
+    b.scratch_release(mark);
   }
   const int R = static_cast<int>(batch.logit_rows.size());
   Tensor rows = b.alloc_act(R, cfg_.hidden_size);
@@ -106,7 +121,7 @@ Tensor Model::forward(const StepBatch& batch, std::vector<KvLayer>& kv, const Lo
   b.rmsnorm(rows, weights_.final_norm, eps, rows);
   Tensor logits = b.alloc(R, cfg_.vocab_size, DType::kF32);
   b.linear(rows, weights_.lm_head, nullptr, logits);
-  return b.to_host_f32(logits);
+  return logits;
 }
 
 Tensor Model::attention_gqa(int layer, const Tensor& x, KvLayer& kv, const LayerLoraTables* lora) {

@@ -20,6 +20,9 @@ class Model {
  public:
   // Loads config.json and the checkpoint in `dir` onto `backend` (which must outlive the model).
   static Result<std::unique_ptr<Model>> load(const std::string& dir, Backend& backend);
+  // A model of `cfg`'s shapes with pseudo-random weights made on the backend (benchmarks):
+  // FP8 block-scaled linears when cfg.fp8 and the backend keeps FP8, else its float type.
+  static std::unique_ptr<Model> random(const ModelConfig& cfg, Backend& backend, uint64_t seed);
 
   const ModelConfig& config() const { return cfg_; }
   const std::string& dir() const { return dir_; }
@@ -35,6 +38,7 @@ class Model {
 
  private:
   Model(ModelConfig cfg, std::string dir, Backend& backend) : cfg_(std::move(cfg)), dir_(std::move(dir)), backend_(backend) {}
+  Tensor forward_body(const StepBatch& batch, std::vector<KvLayer>& kv, const LoraTables* lora);
   Tensor attention_gqa(int layer, const Tensor& x, KvLayer& kv, const LayerLoraTables* lora);
   Tensor attention_mla(int layer, const Tensor& x, KvLayer& kv, const LayerLoraTables* lora);
   Tensor mlp(const MlpWeights& w, const Tensor& x, const LayerLoraTables* lora, bool shared);

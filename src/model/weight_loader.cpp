@@ -53,10 +53,12 @@ struct Loader {
     return backend.upload_linear(r.w, r.scale, cfg.fp8_block_out, cfg.fp8_block_in);
   }
 
-  Result<Tensor> vec(const std::string& name, int n) {
+  // Norm weights in the activation dtype (what the norm kernels read); biases in f32.
+  Result<Tensor> vec(const std::string& name, int n, DType dtype) {
     MOELORA_ASSIGN_OR_RETURN(Tensor t, get(name, {n}));
-    return backend.upload(t, DType::kF32);  // norms and biases stay f32 on every backend
+    return backend.upload(t, dtype);
   }
+  Result<Tensor> norm(const std::string& name, int n) { return vec(name, n, backend.act_dtype()); }
 
   Result<MlpWeights> mlp(const std::string& prefix, int inter) {
     MlpWeights m;
@@ -76,21 +78,21 @@ struct Loader {
       MOELORA_ASSIGN_OR_RETURN(a.v, linear(p + "v_proj", c.num_kv_heads * c.head_dim, H));
       MOELORA_ASSIGN_OR_RETURN(a.o, linear(p + "o_proj", H, c.num_heads * c.head_dim));
       if (arch_naming(c.arch).qk_norm) {
-        MOELORA_ASSIGN_OR_RETURN(a.q_norm, vec(p + "q_norm.weight", c.head_dim));
-        MOELORA_ASSIGN_OR_RETURN(a.k_norm, vec(p + "k_norm.weight", c.head_dim));
+        MOELORA_ASSIGN_OR_RETURN(a.q_norm, norm(p + "q_norm.weight", c.head_dim));
+        MOELORA_ASSIGN_OR_RETURN(a.k_norm, norm(p + "k_norm.weight", c.head_dim));
       }
       return {};
     }
     const int qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
     if (c.q_lora_rank > 0) {
       MOELORA_ASSIGN_OR_RETURN(a.q_a, linear(p + "q_a_proj", c.q_lora_rank, H));
-      MOELORA_ASSIGN_OR_RETURN(a.q_a_norm, vec(p + "q_a_layernorm.weight", c.q_lora_rank));
+      MOELORA_ASSIGN_OR_RETURN(a.q_a_norm, norm(p + "q_a_layernorm.weight", c.q_lora_rank));
       MOELORA_ASSIGN_OR_RETURN(a.q_b, linear(p + "q_b_proj", c.num_heads * qk, c.q_lora_rank));
     } else {
       MOELORA_ASSIGN_OR_RETURN(a.q, linear(p + "q_proj", c.num_heads * qk, H));
     }
     MOELORA_ASSIGN_OR_RETURN(a.kv_a, linear(p + "kv_a_proj_with_mqa", c.kv_lora_rank + c.qk_rope_head_dim, H));
-    MOELORA_ASSIGN_OR_RETURN(a.kv_a_norm, vec(p + "kv_a_layernorm.weight", c.kv_lora_rank));
+    MOELORA_ASSIGN_OR_RETURN(a.kv_a_norm, norm(p + "kv_a_layernorm.weight", c.kv_lora_rank));
     MOELORA_ASSIGN_OR_RETURN(a.kv_b, linear(p + "kv_b_proj", c.num_heads * (c.qk_nope_head_dim + c.v_head_dim),
                                             c.kv_lora_rank));
     MOELORA_ASSIGN_OR_RETURN(a.o, linear(p + "o_proj", H, c.num_heads * c.v_head_dim));
@@ -115,7 +117,7 @@ struct Loader {
     if (c.router == RouterKind::kSigmoidGroupTopK) {
       const std::string bias = block + ".gate.e_score_correction_bias";
       if (ck.contains(bias)) {
-        MOELORA_ASSIGN_OR_RETURN(lw.router_bias, vec(bias, E));
+        MOELORA_ASSIGN_OR_RETURN(lw.router_bias, vec(bias, E, DType::kF32));
       } else {
         lw.router_bias = backend.upload(Tensor::empty_host(DType::kF32, {E}), DType::kF32);
       }
@@ -156,7 +158,7 @@ Result<ModelWeights> load_model_weights(const Checkpoint& ck, const ModelConfig&
   const int H = cfg.hidden_size, V = cfg.vocab_size;
   MOELORA_ASSIGN_OR_RETURN(Tensor embed, L.get("model.embed_tokens.weight", {V, H}));
   w.embed = backend.upload(embed, backend.act_dtype());
-  MOELORA_ASSIGN_OR_RETURN(w.final_norm, L.vec("model.norm.weight", H));
+  MOELORA_ASSIGN_OR_RETURN(w.final_norm, L.norm("model.norm.weight", H));
   if (ck.contains("lm_head.weight")) {
     MOELORA_ASSIGN_OR_RETURN(w.lm_head, L.linear("lm_head", V, H));
   } else if (cfg.tie_word_embeddings) {
@@ -168,8 +170,8 @@ Result<ModelWeights> load_model_weights(const Checkpoint& ck, const ModelConfig&
   for (int l = 0; l < cfg.num_layers; ++l) {
     LayerWeights& lw = w.layers[l];
     const std::string p = fmt::format("model.layers.{}.", l);
-    MOELORA_ASSIGN_OR_RETURN(lw.input_norm, L.vec(p + "input_layernorm.weight", H));
-    MOELORA_ASSIGN_OR_RETURN(lw.post_attention_norm, L.vec(p + "post_attention_layernorm.weight", H));
+    MOELORA_ASSIGN_OR_RETURN(lw.input_norm, L.norm(p + "input_layernorm.weight", H));
+    MOELORA_ASSIGN_OR_RETURN(lw.post_attention_norm, L.norm(p + "post_attention_layernorm.weight", H));
     MOELORA_RETURN_IF_ERROR(L.attention(p + "self_attn.", lw.attn));
     lw.is_moe = cfg.layer_is_moe[l];
     if (lw.is_moe) {

@@ -31,6 +31,9 @@ class Backend {
                                        const std::vector<Tensor>& up, const std::vector<Tensor>& up_scale,
                                        const std::vector<Tensor>& down, const std::vector<Tensor>& down_scale,
                                        int block_out, int block_in) = 0;
+  // A new persistent tensor of deterministic pseudo-random values (benchmarks with random
+  // weights): floats uniform in [-scale, scale]; F8_E4M3 any finite code (scale ignored).
+  virtual Tensor random_tensor(DType dtype, const std::vector<int64_t>& shape, uint64_t seed, float scale) = 0;
   virtual KvLayer alloc_kv_layer(int num_pages, int page_size, int kv_heads, int k_head_dim,
                                  int v_head_dim) = 0;
   // dtype of LoRA factors on this backend and pointer-table writes (see LoraModuleTable).
@@ -49,10 +52,22 @@ class Backend {
 
   // ---- One forward step.
   // Makes the step's metadata (token ids, positions, slots, page tables) available to ops and
-  // resets the step's scratch memory.
-  virtual void begin_step(const StepBatch& batch) = 0;
-  // Scratch activation [rows, cols] valid until the next begin_step.
+  // resets the step's scratch memory. Returns the batch the ops will see: the same, or padded to
+  // a captured graph's size (extra tokens on no adapter, their logit rows after the real ones).
+  virtual const StepBatch& begin_step(const StepBatch& batch) = 0;
+  // How the step's forward body runs. kReplay: the backend already ran the whole step from a
+  // captured graph (skip the body; step_output() holds the logits). kCapture / kEager: run the
+  // body, then call end_step_body with the logits tensor (a capture is closed and launched there).
+  enum class StepMode { kEager, kCapture, kReplay };
+  virtual StepMode step_mode() { return StepMode::kEager; }
+  virtual void end_step_body(const Tensor& logits) {}
+  virtual Tensor step_output() { return {}; }
+  // Scratch activation [rows, cols] valid until the next begin_step (or scratch_release).
   virtual Tensor alloc(int64_t rows, int64_t cols, DType dtype) = 0;
+  // Scratch taken after a mark is given back by releasing it (the forward pass does this per
+  // layer, so a step needs one layer's scratch, not all of them).
+  virtual size_t scratch_mark() = 0;
+  virtual void scratch_release(size_t mark) = 0;
   Tensor alloc_act(int64_t rows, int64_t cols) { return alloc(rows, cols, act_dtype()); }
 
   // out[t] = table[token_ids[t]]   (table [vocab, H] from upload())

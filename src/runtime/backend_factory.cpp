@@ -1,6 +1,10 @@
 #include "runtime/backend_factory.h"
 
 #include "backends/cpu/cpu_backend.h"
+#ifdef MOELORA_HAVE_CUDA
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/device_info.h"
+#endif
 
 namespace moelora {
 
@@ -16,7 +20,11 @@ Result<std::unique_ptr<Backend>> make_backend(const BackendOptions& opts) {
   if (opts.name == "cpu") return std::unique_ptr<Backend>(std::make_unique<CpuBackend>());
   if (opts.name == "cuda") {
 #ifdef MOELORA_HAVE_CUDA
-    return unsupported("the CUDA backend is not wired into the engine yet");
+    if (!cuda::query_device().available) return unsupported("no CUDA device is visible to this process");
+    CudaBackendOptions o;
+    o.overlap = opts.cuda_overlap;
+    o.graphs = opts.cuda_graphs;
+    return std::unique_ptr<Backend>(std::make_unique<CudaBackend>(o));
 #else
     return unsupported("this moelora was built without CUDA (configure with -DMOELORA_CUDA=ON on a machine with nvcc)");
 #endif

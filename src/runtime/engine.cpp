@@ -304,6 +304,7 @@ Status Engine::load_adapter(const std::string& name, const std::string& path, bo
 
 Status Engine::unload_adapter(const std::string& name, bool wait) {
   Impl& m = *impl_;
+  uint64_t generation = 0;
   {
     std::unique_lock<std::mutex> lk(m.mu);
     if (!m.registry->contains(name)) return not_found("no adapter named '{}' is loaded", name);
@@ -311,12 +312,19 @@ Status Engine::unload_adapter(const std::string& name, bool wait) {
       return make_error(ErrorCode::kFailedPrecondition, "adapter '{}' is used by {} request(s); retry when they finish",
                         name, m.registry->users(name));
     m.draining.insert(name);
+    generation = m.registry->generation(name);
   }
   // Wait for its requests, then drop it on the engine thread (slot tables are engine-owned).
   for (;;) {
     std::promise<bool> done;
     auto fut = done.get_future();
     run_on_engine_thread([&] {
+      // A concurrent unload already dropped this load of the adapter; the name may even hold a
+      // newer load by now, which is not ours to remove.
+      if (m.registry->generation(name) != generation) {
+        done.set_value(true);
+        return;
+      }
       if (m.registry->users(name) > 0) {
         done.set_value(false);
         return;
@@ -339,6 +347,7 @@ std::vector<AdapterInfo> Engine::adapters() const {
     a.name = i.name;
     a.path = i.path;
     a.pinned = i.pinned;
+    a.on_host = i.on_host;
     a.max_rank = i.max_rank;
     a.generation = i.generation;
     out.push_back(a);

@@ -80,6 +80,7 @@ struct AdapterInfo {
   std::string path;
   bool pinned = false;
   bool resident = false;  // in a backend slot now
+  bool on_host = false;   // weights in host memory (else re-read from `path` on next use)
   int max_rank = 0;
   uint64_t generation = 0;  // bumps on every (re)load: prefix-cache keys use it
 };

@@ -108,17 +108,23 @@ ScheduledStep Scheduler::schedule(std::vector<std::pair<std::unique_ptr<Sequence
                             }),
              plan.end());
 
-  // 2. Admit waiting requests (FCFS, skipping ones whose adapter has no free slot).
+  // 2. Admit waiting requests (FCFS). Adapter slots go out in arrival order: once a request
+  // waits for a slot, younger adapter requests wait too, even for an adapter that is resident;
+  // otherwise a steady flow of requests for resident adapters keeps every slot referenced and
+  // the waiting one starves. Base-model requests need no slot and still go ahead.
+  bool slot_waiter = false;
   for (auto it = waiting_.begin(); it != waiting_.end() && budget > 0 &&
                                    static_cast<int>(running_.size()) < opts_.max_num_seqs;) {
     Sequence& s = **it;
-    if (!s.req.adapter.empty() && s.adapter && !slots_.can_acquire(s.adapter.get())) {
+    if (!s.req.adapter.empty() && (slot_waiter || (s.adapter && !slots_.can_acquire(s.adapter.get())))) {
+      slot_waiter = true;
       ++it;
       continue;
     }
     Status st = admit_adapter(s);
     if (!st.ok()) {
-      if (st.code() == ErrorCode::kResourceExhausted) {  // no slot now: wait, let others pass
+      if (st.code() == ErrorCode::kResourceExhausted) {  // no slot now: wait (and hold the line)
+        slot_waiter = true;
         ++it;
         continue;
       }

@@ -121,7 +121,11 @@ def write_case(path):
     upper = mapping_rows(str.upper)
     lower = mapping_rows(str.lower)
     # title() of one character where it differs from upper() (digraphs, ligatures, ß...).
-    title = [r for r in mapping_rows(str.title) if chr(r[0]).upper() != "".join(chr(x) for x in r[1:] if x)]
+    title = []
+    for cp in code_points():
+        t = chr(cp).title()
+        if t != chr(cp).upper():
+            title.append([cp] + [ord(c) for c in t] + [0] * (3 - len(t)))
     cased = ranges_of(lambda cp: is_cased(chr(cp)))
     nonprintable = ranges_of(lambda cp: not chr(cp).isprintable())
     with open(path, "w") as f:

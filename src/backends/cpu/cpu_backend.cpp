@@ -66,6 +66,24 @@ ExpertWeights CpuBackend::upload_experts(const std::vector<Tensor>& gate, const 
   return ew;
 }
 
+Tensor CpuBackend::random_tensor(DType dtype, const std::vector<int64_t>& shape, uint64_t seed, float scale) {
+  // The CPU backend keeps floats as f32 (FP8 as exact f32 values of random finite codes).
+  Tensor t = Tensor::empty_host(DType::kF32, shape);
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    const uint32_t r = static_cast<uint32_t>(x >> 32);
+    if (dtype == DType::kF8E4M3) {
+      uint8_t code = static_cast<uint8_t>(r);
+      if ((code & 0x7f) == 0x7f) code ^= 1;  // never NaN
+      t.ptr<float>()[i] = fp8e4m3_to_f32(code);
+    } else {
+      t.ptr<float>()[i] = scale * (2.0f * static_cast<float>(r) / 4294967296.0f - 1.0f);
+    }
+  }
+  return t;
+}
+
 KvLayer CpuBackend::alloc_kv_layer(int num_pages, int page_size, int kv_heads, int k_head_dim, int v_head_dim) {
   KvLayer kv;
   kv.page_size = page_size;
@@ -130,9 +148,10 @@ void CpuBackend::set_moe_lora_slot(MoeLoraTable& t, int slot, const MoeLoraSlot&
   t.host_d_rank[slot] = s.d_rank;
 }
 
-void CpuBackend::begin_step(const StepBatch& batch) {
+const StepBatch& CpuBackend::begin_step(const StepBatch& batch) {
   batch_ = batch;
   scratch_.clear();
+  return batch_;
 }
 
 Tensor CpuBackend::alloc(int64_t rows, int64_t cols, DType dtype) {

@@ -21,6 +21,7 @@ class CpuBackend final : public Backend {
                                const std::vector<Tensor>& up, const std::vector<Tensor>& up_scale,
                                const std::vector<Tensor>& down, const std::vector<Tensor>& down_scale,
                                int block_out, int block_in) override;
+  Tensor random_tensor(DType dtype, const std::vector<int64_t>& shape, uint64_t seed, float scale) override;
   KvLayer alloc_kv_layer(int num_pages, int page_size, int kv_heads, int k_head_dim, int v_head_dim) override;
   DType lora_dtype() const override { return DType::kF32; }
   LoraModuleTable alloc_lora_table(int num_slots, int in, int out) override;
@@ -28,8 +29,10 @@ class CpuBackend final : public Backend {
   void set_lora_slot(LoraModuleTable& t, int slot, const Tensor& a, const Tensor& b, int rank) override;
   void set_moe_lora_slot(MoeLoraTable& t, int slot, const MoeLoraSlot& s) override;
 
-  void begin_step(const StepBatch& batch) override;
+  const StepBatch& begin_step(const StepBatch& batch) override;
   Tensor alloc(int64_t rows, int64_t cols, DType dtype) override;
+  size_t scratch_mark() override { return scratch_.size(); }
+  void scratch_release(size_t mark) override { scratch_.resize(mark); }
   void embed(const Tensor& table, Tensor out) override;
   void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor out) override;
   void linear(const Tensor& x, const LinearWeight& w, const LoraModuleTable* lora, Tensor out) override;

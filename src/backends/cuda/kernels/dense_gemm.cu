@@ -42,34 +42,55 @@ __device__ __forceinline__ int scale_row_block(int r, int bo, int split) {
   return (split + bo - 1) / bo + (r - split) / bo;
 }
 
-// Weight run of one lane for one 16-row tile and K block, as A fragments of the 8 MMA steps.
+// The raw weight bytes of one lane for one 16-row tile and K block (rows r0 and r1, 32 elements
+// each): FP8 2 x 32 bytes, bf16 2 x 64 bytes. Kept raw so that the next block can be in flight
+// while this one is converted and multiplied.
 template <bool kFp8>
-__device__ __forceinline__ void load_weight_frags(const SmallMParams& p, int r0, int r1, bool v0, bool v1, int kc,
-                                                  bool kv, uint32_t (&a)[8][4]) {
+struct WeightRun {
+  uint4 v[kFp8 ? 4 : 8];
+};
+
+template <bool kFp8>
+__device__ __forceinline__ void load_weight_run(const SmallMParams& p, int r0, int r1, bool v0, bool v1, int kc,
+                                                bool kv, WeightRun<kFp8>& w) {
   if constexpr (kFp8) {
-    const uint8_t* w = static_cast<const uint8_t*>(p.w);
-    const uint8_t* w0 = w + static_cast<int64_t>(r0) * p.K + kc;
-    const uint8_t* w1 = w + static_cast<int64_t>(r1) * p.K + kc;
-    const uint4 a0 = ld_stream_u4_pred(w0, v0 && kv), a1 = ld_stream_u4_pred(w0 + 16, v0 && kv);
-    const uint4 b0 = ld_stream_u4_pred(w1, v1 && kv), b1 = ld_stream_u4_pred(w1 + 16, v1 && kv);
-    const uint32_t row0[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-    const uint32_t row1[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+    const uint8_t* base = static_cast<const uint8_t*>(p.w);
+    const uint8_t* w0 = base + static_cast<int64_t>(v0 ? r0 : 0) * p.K + (kv ? kc : 0);
+    const uint8_t* w1 = base + static_cast<int64_t>(v1 ? r1 : 0) * p.K + (kv ? kc : 0);
+    w.v[0] = ld_stream_u4_pred(w0, v0 && kv);
+    w.v[1] = ld_stream_u4_pred(w0 + 16, v0 && kv);
+    w.v[2] = ld_stream_u4_pred(w1, v1 && kv);
+    w.v[3] = ld_stream_u4_pred(w1 + 16, v1 && kv);
+  } else {
+    const bf16* base = static_cast<const bf16*>(p.w);
+    const bf16* w0 = base + static_cast<int64_t>(v0 ? r0 : 0) * p.K + (kv ? kc : 0);
+    const bf16* w1 = base + static_cast<int64_t>(v1 ? r1 : 0) * p.K + (kv ? kc : 0);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      w.v[q] = ld_stream_u4_pred(w0 + 8 * q, v0 && kv);
+      w.v[4 + q] = ld_stream_u4_pred(w1 + 8 * q, v1 && kv);
+    }
+  }
+}
+
+// A fragments of the 8 MMA steps of one K block (see the layout note at the top).
+template <bool kFp8>
+__device__ __forceinline__ void weight_frags(const WeightRun<kFp8>& w, uint32_t (&a)[8][4]) {
+  if constexpr (kFp8) {
+    const uint32_t row0[8] = {w.v[0].x, w.v[0].y, w.v[0].z, w.v[0].w, w.v[1].x, w.v[1].y, w.v[1].z, w.v[1].w};
+    const uint32_t row1[8] = {w.v[2].x, w.v[2].y, w.v[2].z, w.v[2].w, w.v[3].x, w.v[3].y, w.v[3].z, w.v[3].w};
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
       fp8x4_to_bf16x2x2(row0[s], a[s][0], a[s][2]);
       fp8x4_to_bf16x2x2(row1[s], a[s][1], a[s][3]);
     }
   } else {
-    const bf16* w = static_cast<const bf16*>(p.w);
-    const bf16* w0 = w + static_cast<int64_t>(r0) * p.K + kc;
-    const bf16* w1 = w + static_cast<int64_t>(r1) * p.K + kc;
     uint32_t row0[16], row1[16];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const uint4 u0 = ld_stream_u4_pred(w0 + 8 * q, v0 && kv);
-      const uint4 u1 = ld_stream_u4_pred(w1 + 8 * q, v1 && kv);
-      row0[4 * q] = u0.x, row0[4 * q + 1] = u0.y, row0[4 * q + 2] = u0.z, row0[4 * q + 3] = u0.w;
-      row1[4 * q] = u1.x, row1[4 * q + 1] = u1.y, row1[4 * q + 2] = u1.z, row1[4 * q + 3] = u1.w;
+      row0[4 * q] = w.v[q].x, row0[4 * q + 1] = w.v[q].y, row0[4 * q + 2] = w.v[q].z, row0[4 * q + 3] = w.v[q].w;
+      row1[4 * q] = w.v[4 + q].x, row1[4 * q + 1] = w.v[4 + q].y, row1[4 * q + 2] = w.v[4 + q].z,
+                row1[4 * q + 3] = w.v[4 + q].w;
     }
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
@@ -105,11 +126,18 @@ __global__ void __launch_bounds__(kBlockThreads) dense_small_m_kernel(SmallMPara
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
 
+  // One K block ahead in flight: the weight run of block kb + k_warps is requested before block kb
+  // is multiplied, so a warp never waits for two DRAM round trips in a row.
+  auto run_of = [&](int kb) { return kb * kKBlock + t * 32; };
+  WeightRun<kFp8> cur, nxt;
+  if (kw < kblocks) load_weight_run<kFp8>(p, r0, r1, v0, v1, run_of(kw), run_of(kw) < p.K, cur);
   for (int kb = kw; kb < kblocks; kb += k_warps) {
-    const int kc = kb * kKBlock + t * 32;
+    const int kc = run_of(kb);
     const bool kv = kc < p.K;  // K % 32 == 0: a lane's run is all in or all out
+    const int kn = kb + k_warps;
+    if (kn < kblocks) load_weight_run<kFp8>(p, r0, r1, v0, v1, run_of(kn), run_of(kn) < p.K, nxt);
     uint32_t a[8][4];
-    load_weight_frags<kFp8>(p, r0, r1, v0, v1, kc, kv, a);
+    weight_frags<kFp8>(cur, a);
     float part[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -125,11 +153,18 @@ __global__ void __launch_bounds__(kBlockThreads) dense_small_m_kernel(SmallMPara
         xw[4 * q] = u.x, xw[4 * q + 1] = u.y, xw[4 * q + 2] = u.z, xw[4 * q + 3] = u.w;
       }
 #pragma unroll
-      for (int s = 0; s < 8; ++s) mma_bf16_16816(kFp8 ? part[mt] : acc[mt], a[s], xw[2 * s], xw[2 * s + 1]);
+      for (int s = 0; s < 8; ++s) {
+        if constexpr (kFp8)
+          mma_bf16_16816(part[mt], a[s], xw[2 * s], xw[2 * s + 1]);
+        else
+          mma_bf16_16816(acc[mt], a[s], xw[2 * s], xw[2 * s + 1]);
+      }
     }
     if constexpr (kFp8) {
-      const float s0 = v0 && kv ? srow0[kb] : 0.0f;
-      const float s1 = v1 && kv ? srow1[kb] : 0.0f;
+      // The scale belongs to the output row (r0 / r1) and the K block, never to this lane's run:
+      // the accumulator columns of a lane are tokens, unrelated to which K run it loaded.
+      const float s0 = v0 ? srow0[kb] : 0.0f;
+      const float s1 = v1 ? srow1[kb] : 0.0f;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         acc[mt][0] = fmaf(part[mt][0], s0, acc[mt][0]);
@@ -138,6 +173,7 @@ __global__ void __launch_bounds__(kBlockThreads) dense_small_m_kernel(SmallMPara
         acc[mt][3] = fmaf(part[mt][3], s1, acc[mt][3]);
       }
     }
+    cur = nxt;
   }
 
   // Partial tiles of every K warp into shared memory, then a fixed-order sum per output.
@@ -177,7 +213,7 @@ __global__ void dense_naive_kernel(SmallMParams p, bool fp8) {
     const uint8_t* w = static_cast<const uint8_t*>(p.w) + static_cast<int64_t>(n) * p.K;
     const float* srow = p.scale_inv + static_cast<int64_t>(scale_row_block(n, p.block_out, p.split_rows)) * p.scale_cols;
     for (int k = lane; k < p.K; k += 32) {
-      const float wv = __half2float(__nv_cvt_fp8_to_halfraw(w[k], __NV_E4M3)) * srow[k / kKBlock];
+      const float wv = __half2float(__half(__nv_cvt_fp8_to_halfraw(w[k], __NV_E4M3))) * srow[k / kKBlock];
       acc = fmaf(__bfloat162float(x[k]), wv, acc);
     }
   } else {
@@ -216,7 +252,7 @@ void launch_mt(const SmallMParams& p, int rg, int kw, cudaStream_t stream) {
     case 1: dense_small_m_kernel<kFp8, MT, 1><<<grid, threads, smem, stream>>>(p); break;
     case 2: dense_small_m_kernel<kFp8, MT, 2><<<grid, threads, smem, stream>>>(p); break;
     case 4: dense_small_m_kernel<kFp8, MT, 4><<<grid, threads, smem, stream>>>(p); break;
-    default: MOELORA_CHECK_MSG(false, "dense: row_groups {} not in {{1, 2, 4}}", rg);
+    default: MOELORA_CHECK_MSG(false, "dense: row_groups must be 1, 2 or 4");
   }
 }
 
@@ -247,9 +283,9 @@ void launch_dense_small_m(const DenseArgs& a, cudaStream_t stream, DenseSmallMCo
   // Token tiles of 8: as few as cover M (up to 8 tiles = 64 tokens per grid row).
   const int m8 = ceil_div(std::min(a.M, kDenseSmallMMax), 8);
   const int mt = m8 <= 1 ? 1 : m8 <= 2 ? 2 : m8 <= 4 ? 4 : 8;
-  // More tokens -> more row groups per block, so that one activation chunk read through L1
-  // serves more weight rows; the rest of the 8 warps split K.
-  int rg = cfg.row_groups > 0 ? cfg.row_groups : (a.M <= 16 ? 1 : a.M <= 32 ? 2 : 4);
+  // Measured on the H200 (bench/RESULTS.md): one 16-row group per block with 8 warps splitting K
+  // was the fastest tiling at every M up to 64, so it is the default.
+  int rg = cfg.row_groups > 0 ? cfg.row_groups : 1;
   const int kblocks = ceil_div(a.w.in, kKBlock);
   int kw = cfg.k_warps > 0 ? cfg.k_warps : std::max(1, std::min(8 / rg, kblocks));
   MOELORA_CHECK(rg * kw <= 8);
@@ -266,32 +302,64 @@ size_t dense_fp8_scratch_bytes(int max_M, int in) {
   return q + s + 256;
 }
 
+namespace {
+// Where our kernel stops winning (dev/dense_gemm.cu on the H200, bench/RESULTS.md): FP8 weights
+// are read at half the bytes of bf16 and cuBLASLt adds an activation-quantisation pass, so our
+// kernel wins longer for FP8.
+constexpr int kFp8SmallMMax = 32;
+constexpr int kBf16SmallMMax = 8;
+
+// Layouts cuBLASLt's block-scaled FP8 GEMM was seen to get right on the H200: the weight's scale
+// rows must have a multiple of 4 column blocks (otherwise it reads them with a padded stride),
+// and a split weight must restart on 16-byte aligned rows of the output.
+bool lt_fp8_shape_ok(const DenseWeight& w) {
+  return w.block_out == 128 && w.block_in == 128 && w.in % 128 == 0 && (w.in / 128) % 4 == 0 &&
+         (w.split_rows <= 0 || w.split_rows % 8 == 0);
+}
+}  // namespace
+
 void dense_linear(DenseGemmContext& ctx, const DenseArgs& a, DenseScratch scratch, cudaStream_t stream) {
   if (a.M == 0 || a.w.out == 0) return;
-  if (a.M <= kDenseSmallMMax) return launch_dense_small_m(a, stream);
-  if (a.w.type == WeightType::kFP8E4M3) {
-    const int64_t ld_q = (a.w.in + 15) / 16 * 16;
-    MOELORA_CHECK_MSG(scratch.bytes >= dense_fp8_scratch_bytes(a.M, a.w.in), "dense: FP8 scratch {} B too small",
-                      scratch.bytes);
+  const bool fp8 = a.w.type == WeightType::kFP8E4M3;
+  if (a.M <= (fp8 ? kFp8SmallMMax : kBf16SmallMMax)) return launch_dense_small_m(a, stream);
+  if (!fp8) {
+    if (!ctx.gemm_bf16(a, stream)) launch_dense_small_m(a, stream);
+    return;
+  }
+  // cuBLASLt takes the tokens in multiples of 4: with other counts it misplaces the VEC128
+  // activation scales (seen on the H200: M = 65 off by 3 %, M = 64 / 100 exact). The last M % 4
+  // tokens go through our kernel.
+  const int m4 = a.M / 4 * 4;
+  const int64_t ld_q = (a.w.in + 15) / 16 * 16;
+  bool done = false;
+  if (lt_fp8_shape_ok(a.w) && scratch.bytes >= dense_fp8_scratch_bytes(m4, a.w.in)) {
     auto base = (reinterpret_cast<uintptr_t>(scratch.ptr) + 255) / 256 * 256;
     auto* xq = reinterpret_cast<uint8_t*>(base);
-    auto* xs = reinterpret_cast<float*>(base + (static_cast<size_t>(a.M) * ld_q + 255) / 256 * 256);
+    auto* xs = reinterpret_cast<float*>(base + (static_cast<size_t>(m4) * ld_q + 255) / 256 * 256);
     Fp8QuantParams q;
     q.x = a.x;
     q.ld_x = a.ld_x;
-    q.M = a.M;
+    q.M = m4;
     q.K = a.w.in;
     q.q = xq;
     q.ld_q = ld_q;
     q.scales = xs;
-    q.scale_ld = a.M;
+    q.scale_ld = m4;
     q.layout = Fp8ScaleLayout::kGroupMajor;
     launch_fp8_quant_per_token(q, stream);
-    if (ctx.gemm_fp8(a, xq, ld_q, xs, stream)) return;
-  } else if (ctx.gemm_bf16(a, stream)) {
-    return;
+    DenseArgs head = a;
+    head.M = m4;
+    done = ctx.gemm_fp8(head, xq, ld_q, xs, stream);
   }
-  launch_dense_small_m(a, stream);  // cuBLASLt declined the shape
+  if (!done) return launch_dense_small_m(a, stream);  // cuBLASLt declined: our kernel does all M
+  if (m4 < a.M) {
+    DenseArgs tail = a;
+    tail.M = a.M - m4;
+    tail.x = a.x + static_cast<int64_t>(m4) * a.ld_x;
+    if (a.y) tail.y = a.y + static_cast<int64_t>(m4) * a.ld_y;
+    if (a.y_f32) tail.y_f32 = a.y_f32 + static_cast<int64_t>(m4) * a.ld_y;
+    launch_dense_small_m(tail, stream);
+  }
 }
 
 }  // namespace moelora::cuda

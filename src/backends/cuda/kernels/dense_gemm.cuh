@@ -47,6 +47,7 @@ struct DenseArgs {
   int64_t ld_y = 0;
 };
 
+// The small-M kernel's design range (one grid row of 8 token tiles); it is correct for any M.
 constexpr int kDenseSmallMMax = 64;
 
 // Tiling of the small-M kernel: `row_groups` 16-row tiles per block and `k_warps` warps splitting K
@@ -91,7 +92,11 @@ class DenseGemmContext {
     cublasLtMatmulAlgo_t algo{};
   };
   using Key = std::array<int64_t, 10>;
-  bool matmul(const Key& key, cublasLtMatmulDesc_t op, const void* A, cublasLtMatrixLayout_t la, const void* B,
+  // The heuristic's algorithm for a shape, asked once (std::map keeps references stable).
+  Algo& algo_for(const Key& key, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t la, cublasLtMatrixLayout_t lb,
+                 cublasLtMatrixLayout_t ld);
+  // False (nothing launched, shape remembered as unsupported) when cuBLASLt refuses at launch.
+  bool launch(Algo& algo, cublasLtMatmulDesc_t op, const void* A, cublasLtMatrixLayout_t la, const void* B,
               cublasLtMatrixLayout_t lb, void* D, cublasLtMatrixLayout_t ld, cudaStream_t stream);
 
   cublasLtHandle_t lt_ = nullptr;
@@ -100,9 +105,11 @@ class DenseGemmContext {
   std::map<Key, Algo> algos_;  // heuristic answer per shape (host-only work, done once)
 };
 
-// The dispatcher: M <= kDenseSmallMMax -> launch_dense_small_m; otherwise FP8 weights ->
-// quantise into `scratch` + ctx.gemm_fp8, bf16 -> ctx.gemm_bf16; where cuBLASLt declines a shape,
-// the small-M kernel (correct for any M). Graph-safe given ctx and scratch made beforehand.
+// The dispatcher: our small-M kernel up to M = 32 (FP8) / 8 (bf16), the crossovers measured on
+// the H200; above, FP8 -> quantise the first M - M % 4 tokens into `scratch` + ctx.gemm_fp8 (the
+// last M % 4 tokens through our kernel), bf16 -> ctx.gemm_bf16. Where cuBLASLt declines a shape
+// (FP8: column blocks not a multiple of 4, odd splits) or `scratch` is too small, our kernel does
+// all M. Graph-safe given ctx and scratch made beforehand.
 void dense_linear(DenseGemmContext& ctx, const DenseArgs& a, DenseScratch scratch, cudaStream_t stream);
 
 }  // namespace moelora::cuda

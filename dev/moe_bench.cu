@@ -1,0 +1,396 @@
+// Workbench: one routed-MoE layer (router top-k -> align -> gate_up -> down -> weighted sum, with
+// MoE LoRA on a side stream) at Qwen3-30B-A3B shapes: H 2048, E 128, top-8, I 768, FP8 128x128.
+// Every version is checked against the CPU reference, then timed under CUDA-graph replay with
+// weights, adapters and inputs rotated over copies that together exceed the L2, median of replays.
+// The floor is performance-floors.md section C.4's: bytes of the experts (and LoRA factors) the
+// batch touches, counted from the routing it actually produced, over the copy bandwidth measured
+// in this run (the router's logits GEMM is not part of what is timed, so not of the floor either).
+//
+//   v1: router kernel + align kernel, plain launches
+//   v2: routing fused into align for T <= 8, programmatic dependent launch between kernels, the
+//       down GEMM prefetching its first weights into L2 while gate_up drains
+//   v3: v2 with each LoRA half as one fused shrink+expand launch (moe_lora_fused)
+//   v4: v3 with the LoRA kernels on the main stream (PDL chain, no events)
+// plus a sweep of the GEMM tile (8/16/32/64 tokens) at the larger batches.
+#include <cstdio>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "dev/bench_common.h"
+#include "tests/ops/moe_test_util.h"
+
+using namespace moelora;
+using namespace moelora::cuda;
+using namespace moelora::ops_test;
+
+namespace {
+
+constexpr int kH = 2048, kE = 128, kK = 8, kI = 768, kRank = 16, kSlots = 8, kMaxT = 256;
+const int kTokens[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
+
+struct Version {
+  const char* name;
+  bool pdl, fuse;
+  bool lora_fused = false;
+  int tile = -1;
+  bool one_stream = false;
+};
+const Version kV1{"v1", false, false}, kV2{"v2", true, true}, kV3{"v3", true, true, true},
+    kV4{"v4", true, true, true, -1, true};
+
+struct Copy {
+  DeviceExperts ex;
+  DeviceLora lora;
+  DevBuf<uint16_t> x, out;
+  DevBuf<float> logits, w;
+  DevBuf<int32_t> ids, slot1, slot8;
+};
+
+struct Bench {
+  MoeShape shape{kMaxT, kK, kE, kH, kI};
+  HostExperts hex;
+  std::vector<HostLoraSlot> hl;
+  std::vector<Copy> copies;
+  std::vector<std::vector<float>> hx, hlogits;
+  DevBuf<uint8_t> wsbuf;
+  MoeWorkspace ws;
+  cudaStream_t side;
+  cudaEvent_t ev[4];
+
+  void init(int ncopies) {
+    hex.shape = shape;
+    hex.fp8 = true;
+    hex.generate(1234);
+    Bits b(99);
+    for (int s = 0; s < kSlots; ++s) {
+      HostLoraSlot l;
+      l.gu_rank = l.d_rank = kRank;
+      generate_lora(l, shape, b);
+      hl.push_back(std::move(l));
+    }
+    copies.resize(ncopies);
+    std::vector<int32_t> s1(kMaxT, 0), s8(kMaxT);
+    for (int t = 0; t < kMaxT; ++t) s8[t] = t % kSlots;
+    for (int c = 0; c < ncopies; ++c) {
+      Copy& cp = copies[c];
+      cp.ex.upload(hex);
+      cp.lora.upload(hl, shape);
+      Bits r(1000 + c);
+      std::vector<float> x(static_cast<size_t>(kMaxT) * kH), lg(static_cast<size_t>(kMaxT) * kE);
+      for (auto& v : x) v = bf16_to_f32(f32_to_bf16(r.normalish()));
+      for (auto& v : lg) v = 2.0f * r.normalish();
+      std::vector<uint16_t> xb(x.size());
+      for (size_t i = 0; i < x.size(); ++i) xb[i] = f32_to_bf16(x[i]);
+      cp.x = DevBuf<uint16_t>(xb);
+      cp.out = DevBuf<uint16_t>(static_cast<size_t>(kMaxT) * kH);
+      cp.logits = DevBuf<float>(lg);
+      cp.ids = DevBuf<int32_t>(static_cast<size_t>(kMaxT) * kK);
+      cp.w = DevBuf<float>(static_cast<size_t>(kMaxT) * kK);
+      cp.slot1 = DevBuf<int32_t>(s1);
+      cp.slot8 = DevBuf<int32_t>(s8);
+      hx.push_back(std::move(x));
+      hlogits.push_back(std::move(lg));
+    }
+    MoeLoraShape ls{kSlots, kRank};
+    wsbuf = DevBuf<uint8_t>(moe_workspace_bytes(shape, &ls));
+    ws = moe_workspace_carve(wsbuf.get(), shape, &ls);
+    MOELORA_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    for (auto& e : ev) MOELORA_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    moe_gemm_init();
+  }
+
+  // adapters: 0 = base, 1 = every token on slot 0, 8 = token t on slot t % 8.
+  void launch(cudaStream_t s, int c, int T, const Version& v, int adapters, int stop = 0) {
+    Copy& cp = copies[c];
+    MoeForwardArgs a;
+    a.T = T;
+    a.x = reinterpret_cast<const bf16*>(cp.x.get());
+    a.ldx = kH;
+    a.logits = cp.logits.get();
+    a.router.mode = RouterMode::kSoftmax;
+    a.router.renormalize = true;  // Qwen3-MoE norm_topk_prob
+    a.ids = cp.ids.get();
+    a.weights = cp.w.get();
+    a.wtype = MoeWeightType::kFp8;
+    a.w_gate_up = cp.ex.gu.get();
+    a.s_gate_up = cp.ex.gu_s.get();
+    a.w_down = cp.ex.d.get();
+    a.s_down = cp.ex.d_s.get();
+    a.shape = shape;
+    a.lora = adapters ? &cp.lora.dev : nullptr;
+    a.token_slot = adapters == 1 ? cp.slot1.get() : adapters == 8 ? cp.slot8.get() : nullptr;
+    a.out = reinterpret_cast<bf16*>(cp.out.get());
+    a.ldo = kH;
+    a.pdl = v.pdl;
+    a.fuse_route = v.fuse;
+    a.stop_after = stop;
+    a.lora_fused = v.lora_fused;
+    a.tile_override = v.tile;
+    MoeStreams st{s, v.one_stream ? nullptr : side, ev[0], ev[1], ev[2], ev[3]};
+    moe_forward(a, ws, st);
+  }
+
+  std::vector<float> out_of(int c, int T) {
+    std::vector<uint16_t> h(static_cast<size_t>(T) * kH);
+    MOELORA_CUDA_CHECK(cudaMemcpy(h.data(), copies[c].out.get(), h.size() * 2, cudaMemcpyDeviceToHost));
+    std::vector<float> f(h.size());
+    for (size_t i = 0; i < h.size(); ++i) f[i] = bf16_to_f32(h[i]);
+    return f;
+  }
+  template <typename T>
+  std::vector<T> dl(const DevBuf<T>& b, size_t n) {
+    std::vector<T> h(n);
+    MOELORA_CUDA_CHECK(cudaMemcpy(h.data(), b.get(), n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+// SM-driven streaming ceilings (the graph memcpy node of bench_common's measure_copy_gbps read
+// 2.7 TB/s on run 1, below what kernels reach): copy (read + write) and read-only, 4 x 16-byte
+// loads in flight per thread.
+__global__ void copy_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, size_t n) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n; i += 4 * stride) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (i + u * stride < n) v[u] = __ldg(src + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (i + u * stride < n) dst[i + u * stride] = v[u];
+  }
+}
+__global__ void read_kernel(const uint4* __restrict__ src, size_t n, unsigned* sink) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  unsigned acc = 0;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n; i += 4 * stride) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = i + u * stride < n ? __ldg(src + i + u * stride) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;  // keeps the loads; practically never taken
+}
+
+// Returns {copy GB/s counting read + write, read-only GB/s} on 2 GiB.
+std::pair<double, double> measure_kernel_bw(int sms) {
+  const size_t bytes = size_t(2) << 30, n = bytes / 16;
+  DevBuf<uint4> a(n), b(n);
+  DevBuf<unsigned> sink(1);
+  MOELORA_CUDA_CHECK(cudaMemset(a.get(), 1, bytes));
+  const dim3 grid(sms * 8), block(256);
+  const double tc = dev::time_graph_us([&](cudaStream_t s, int) { copy_kernel<<<grid, block, 0, s>>>(a.get(), b.get(), n); }, 1, 10);
+  const double tr = dev::time_graph_us([&](cudaStream_t s, int) { read_kernel<<<grid, block, 0, s>>>(a.get(), n, sink.get()); }, 1, 10);
+  MOELORA_CUDA_CHECK(cudaGetLastError());
+  return {2.0 * bytes / (tc * 1e-6) / 1e9, bytes / (tr * 1e-6) / 1e9};
+}
+
+double rel_err(const std::vector<float>& a, const std::vector<float>& b, int rows, int cols, bool* finite) {
+  double worst = 0;
+  *finite = true;
+  for (int r = 0; r < rows; ++r) {
+    double num = 0, den = 0;
+    for (int j = 0; j < cols; ++j) {
+      const double x = a[static_cast<size_t>(r) * cols + j], y = b[static_cast<size_t>(r) * cols + j];
+      if (!std::isfinite(x)) *finite = false;
+      num += (x - y) * (x - y);
+      den += y * y;
+    }
+    worst = std::max(worst, std::sqrt(num / std::max(den, 1e-30)));
+  }
+  return worst;
+}
+
+}  // namespace
+
+int main() {
+  int dev_count = 0;
+  if (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0) {
+    std::printf("no CUDA device\n");
+    return 0;
+  }
+  cudaDeviceProp prop{};
+  MOELORA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const double bw_memcpy = dev::measure_copy_gbps();  // GB/s, bytes read + written (graph memcpy node)
+  const auto [bw_copy, bw_read] = measure_kernel_bw(prop.multiProcessorCount);
+  // The floor's bandwidth: the copy kernel's (read + write), as performance-floors.md measures it.
+  const double bw = bw_copy;
+  std::printf("device %s, %d SMs, L2 %d MB; bandwidth GB/s: memcpy node %.0f, copy kernel %.0f, read kernel %.0f\n",
+              prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, bw_memcpy, bw_copy, bw_read);
+  const double expert_bytes = 3.0 * kH * kI * (1.0 + 4.0 / 16384.0);     // FP8 + f32 block scales
+  const double lora_pair_bytes = 2.0 * kRank * (kH + 2 * kI + kI + kH);  // bf16 A,B of both halves
+  // Copies: the touched bytes at T=1 (~38 MB) rotated past the 60 MB L2 at least ~5x over.
+  const int ncopies = 6;
+  Bench b;
+  b.init(ncopies);
+  std::printf("expert set %.0f MB x %d copies; LoRA %d adapters r=%d on all %d experts\n",
+              expert_bytes * kE / 1e6, ncopies, kSlots, kRank, kE);
+
+  // ---- Checks: each version against the CPU reference (T = 3, base and 8 adapters), and v2
+  // against v1 at every T (identical math: must agree bit for bit).
+  bool ok = true;
+  for (const Version* v : {&kV1, &kV2, &kV3, &kV4}) {
+    for (int adapters : {0, 8}) {
+      const int T = 3;
+      b.launch(nullptr, 0, T, *v, adapters);
+      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto ids = b.dl(b.copies[0].ids, T * kK);
+      const auto w = b.dl(b.copies[0].w, T * kK);
+      std::vector<int32_t> slots(T);
+      for (int t = 0; t < T; ++t) slots[t] = t % kSlots;
+      std::vector<float> x(b.hx[0].begin(), b.hx[0].begin() + static_cast<size_t>(T) * kH);
+      const MoeReference ref = moe_reference(b.hex, x, T, ids, w, adapters ? &slots : nullptr, adapters ? &b.hl : nullptr);
+      bool finite;
+      const double e = rel_err(b.out_of(0, T), ref.out, T, kH, &finite);
+      const bool pass = finite && e <= 1e-2;
+      ok &= pass;
+      std::printf("check %s %-8s T=%d: rel err %.2e %s\n", v->name, adapters ? "8 LoRA" : "base", T, e, pass ? "ok" : "FAIL");
+    }
+  }
+  for (int T : kTokens) {
+    b.launch(nullptr, 1, T, kV1, 8);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto o1 = b.out_of(1, T);
+    b.launch(nullptr, 1, T, kV2, 8);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto o2 = b.out_of(1, T);
+    b.launch(nullptr, 1, T, kV3, 8);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto o3 = b.out_of(1, T);
+    b.launch(nullptr, 1, T, kV4, 8);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto o4 = b.out_of(1, T);
+    int diff = 0, diff3 = 0, diff4 = 0;
+    for (size_t i = 0; i < o1.size(); ++i) {
+      diff += o1[i] != o2[i];
+      diff3 += o1[i] != o3[i];
+      diff4 += o1[i] != o4[i];
+    }
+    if (diff || diff3 || diff4) {
+      ok = false;
+      std::printf("check v1 == v2 == v3 == v4 (8 LoRA) T=%d: %d / %d / %d elements differ FAIL\n", T, diff, diff3, diff4);
+    }
+  }
+  std::printf("checks %s\n", ok ? "passed" : "FAILED");
+
+  // ---- Timing.
+  struct Row {
+    int T;
+    double D, P1, P8, floor, floor1, floor8, v1, v2, l1, l8, f1, f8, o1, o8;
+  };
+  std::vector<Row> rows;
+  for (int T : kTokens) {
+    Row r{};
+    r.T = T;
+    // Distinct experts (and (slot, expert) groups) the routing touches, mean over copies.
+    for (int c = 0; c < ncopies; ++c) {
+      b.launch(nullptr, c, T, kV2, 0);
+      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto ids = b.dl(b.copies[c].ids, static_cast<size_t>(T) * kK);
+      std::set<int> d;
+      std::set<std::pair<int, int>> p8;
+      for (int i = 0; i < T * kK; ++i) {
+        d.insert(ids[i]);
+        p8.insert({(i / kK) % kSlots, ids[i]});
+      }
+      r.D += static_cast<double>(d.size()) / ncopies;
+      r.P8 += static_cast<double>(p8.size()) / ncopies;
+    }
+    r.P1 = r.D;
+    r.floor = r.D * expert_bytes / (bw * 1e3);
+    r.floor1 = r.floor + r.P1 * lora_pair_bytes / (bw * 1e3);
+    r.floor8 = r.floor + r.P8 * lora_pair_bytes / (bw * 1e3);
+    auto timed = [&](const Version& v, int adapters) {
+      return dev::time_graph_us([&](cudaStream_t s, int c) { b.launch(s, c, T, v, adapters); }, ncopies, 30);
+    };
+    r.v1 = timed(kV1, 0);
+    r.v2 = timed(kV2, 0);
+    r.l1 = timed(kV2, 1);
+    r.l8 = timed(kV2, 8);
+    r.f1 = timed(kV3, 1);
+    r.f8 = timed(kV3, 8);
+    r.o1 = timed(kV4, 1);
+    r.o8 = timed(kV4, 8);
+    rows.push_back(r);
+    std::printf("T=%3d done\n", T);
+  }
+  // Stage breakdown of v2 (cumulative prefixes; differences are the stages' share).
+  std::printf("\nv2 stage prefixes (us): T | route+align | +gate_up | +down | +reduce (= full)\n");
+  for (int T : {1, 8, 64, 256}) {
+    double t[4];
+    for (int s = 1; s <= 4; ++s)
+      t[s - 1] = dev::time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, kV2, 0, s == 4 ? 0 : s); },
+                                    ncopies, 30);
+    std::printf("%4d | %6.1f | %6.1f | %6.1f | %6.1f\n", T, t[0], t[1], t[2], t[3]);
+  }
+
+  // GEMM tile sweep (base, v2 otherwise): which token tile suits which batch.
+  std::printf("\ntile sweep (base, us): T | tile 8 | 16 | 32 | 64   (default: %s)\n", "moe_gemm_config");
+  for (int T : {16, 32, 64, 128, 256}) {
+    double t[4];
+    for (int tl = 0; tl < 4; ++tl) {
+      Version v = kV2;
+      v.tile = tl;
+      t[tl] = dev::time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, v, 0); }, ncopies, 30);
+    }
+    std::printf("%4d | %6.1f | %6.1f | %6.1f | %6.1f   default %d\n", T, t[0], t[1], t[2], t[3],
+                moe_gemm_tile_rows(moe_gemm_config(T, kK, kE, kH, kI)));
+  }
+
+  // ---- Prefill-shaped (compute-bound; one copy: the weights are re-read by many tiles anyway).
+  std::printf("\nprefill (base, v2, one weight copy): T | us | TFLOP/s (2*T*k*3*H*I)\n");
+  {
+    MoeShape ps{8192, kK, kE, kH, kI};
+    DevBuf<uint8_t> pws(moe_workspace_bytes(ps, nullptr));
+    MoeWorkspace w2 = moe_workspace_carve(pws.get(), ps, nullptr);
+    DevBuf<uint16_t> px(static_cast<size_t>(8192) * kH), pout(static_cast<size_t>(8192) * kH);
+    DevBuf<float> plog(static_cast<size_t>(8192) * kE), pw(static_cast<size_t>(8192) * kK);
+    DevBuf<int32_t> pids(static_cast<size_t>(8192) * kK);
+    {
+      Bits r(7);
+      std::vector<uint16_t> xb(px.size());
+      for (auto& v : xb) v = f32_to_bf16(r.normalish());
+      std::vector<float> lg(plog.size());
+      for (auto& v : lg) v = 2.0f * r.normalish();
+      MOELORA_CUDA_CHECK(cudaMemcpy(px.get(), xb.data(), xb.size() * 2, cudaMemcpyHostToDevice));
+      MOELORA_CUDA_CHECK(cudaMemcpy(plog.get(), lg.data(), lg.size() * 4, cudaMemcpyHostToDevice));
+    }
+    for (int T : {1024, 2048, 8192}) {
+      auto run = [&](cudaStream_t s, int) {
+        MoeForwardArgs a;
+        a.T = T;
+        a.x = reinterpret_cast<const bf16*>(px.get());
+        a.ldx = kH;
+        a.logits = plog.get();
+        a.router.renormalize = true;
+        a.ids = pids.get();
+        a.weights = pw.get();
+        a.w_gate_up = b.copies[0].ex.gu.get();
+        a.s_gate_up = b.copies[0].ex.gu_s.get();
+        a.w_down = b.copies[0].ex.d.get();
+        a.s_down = b.copies[0].ex.d_s.get();
+        a.shape = ps;
+        a.out = reinterpret_cast<bf16*>(pout.get());
+        a.ldo = kH;
+        moe_forward(a, w2, MoeStreams{s});
+      };
+      const double us = dev::time_graph_us(run, 1, 10);
+      std::printf("%5d | %8.1f | %6.1f\n", T, us, 2.0 * T * kK * 3.0 * kH * kI / (us * 1e-6) / 1e12);
+    }
+  }
+
+  std::printf("\nMoE layer, Qwen3-30B-A3B shapes, FP8 experts, graph replay, median; floor = touched bytes / %.0f GB/s\n", bw);
+  std::printf("%4s %6s %6s | %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s\n", "T", "D", "floor", "v1", "v2",
+              "%floor", "fl1", "LoRA1", "+%", "v3 +%", "fl8", "LoRA8", "+%", "v3 +%");
+  for (const Row& r : rows)
+    std::printf("%4d %6.1f %6.1f | %6.1f %6.1f %5.0f%% | %6.1f %6.1f %5.1f%% %5.1f%% | %6.1f %6.1f %5.1f%% %5.1f%%\n", r.T,
+                r.D, r.floor, r.v1, r.v2, 100.0 * r.floor / r.v2, r.floor1, r.l1, 100.0 * (r.l1 / r.v2 - 1.0),
+                100.0 * (r.f1 / r.v2 - 1.0), r.floor8, r.l8, 100.0 * (r.l8 / r.v2 - 1.0), 100.0 * (r.f8 / r.v2 - 1.0));
+  std::printf("LoRA us (1 adapter / 8 adapters): T | v2 two-kernel, 2 streams | v3 fused, 2 streams | v4 fused, 1 stream\n");
+  for (const Row& r : rows)
+    std::printf("%4d | %6.1f / %6.1f | %6.1f / %6.1f | %6.1f / %6.1f\n", r.T, r.l1, r.l8, r.f1, r.f8, r.o1, r.o8);
+  std::printf("targets: v2 <= 1.5x floor (%%floor >= 67%%); LoRA1 <= +10%%, LoRA8 <= +25%% at T=64\n");
+  return ok ? 0 : 1;
+}

@@ -1,0 +1,299 @@
+// CudaBackend, part 1: construction, persistent memory (weights, experts, KV, LoRA tables),
+// the step arena and per-step metadata.
+#include "backends/cuda/cuda_backend.h"
+
+#include <cuda_bf16.h>
+
+#include <cstring>
+
+#include "backends/cpu/cpu_ops.h"
+#include "backends/cuda/cuda_backend_internal.h"
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/kernels/attention.cuh"
+#include "backends/cuda/kernels/dense_gemm.cuh"
+#include "backends/cuda/kernels/lora_dense.cuh"
+#include "backends/cuda/kernels/moe_gemm.cuh"
+#include "backends/cuda/kernels/random_fill.cuh"
+
+namespace moelora {
+
+CudaBackend::CudaBackend(const CudaBackendOptions& opts) : opts_(opts), meta_(std::make_unique<StepMeta>()) {
+  // Streams and events exist before any capture (creating them inside one is not allowed).
+  MOELORA_CUDA_CHECK(cudaStreamCreateWithFlags(&main_, cudaStreamNonBlocking));
+  MOELORA_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+  for (cudaEvent_t* e : {&ev_ids_, &ev_gu_, &ev_act_, &ev_d_})
+    MOELORA_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+  // Kernel attributes (shared-memory limits) are set once here, never during a capture.
+  cuda::lora_dense_prepare();
+  cuda::attention_prepare();
+  cuda::moe_gemm_init();
+  dense_ = std::make_unique<cuda::DenseGemmContext>();
+  lora_ = std::make_unique<cuda::LoraContext>();
+  attn_plan_ = std::make_unique<cuda::AttentionPlan>();
+  arena_bytes_ = opts.arena_bytes;
+  MOELORA_CUDA_CHECK(cudaMalloc(&arena_, arena_bytes_));
+}
+
+CudaBackend::~CudaBackend() {
+  cudaStreamSynchronize(main_);
+  cudaStreamSynchronize(side_);
+  if (meta_ && meta_->pinned) cudaFreeHost(meta_->pinned);
+  if (arena_) cudaFree(arena_);
+  for (cudaEvent_t e : {ev_ids_, ev_gu_, ev_act_, ev_d_})
+    if (e) cudaEventDestroy(e);
+  if (side_) cudaStreamDestroy(side_);
+  if (main_) cudaStreamDestroy(main_);
+}
+
+Tensor CudaBackend::device_tensor(DType dtype, const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  const size_t bytes = std::max<size_t>(16, static_cast<size_t>(n) * dtype_size(dtype));
+  void* p = nullptr;
+  MOELORA_CUDA_CHECK(cudaMalloc(&p, bytes));
+  MOELORA_CUDA_CHECK(cudaMemset(p, 0, bytes));
+  std::shared_ptr<void> owner(p, [](void* q) { cudaFree(q); });
+  return Tensor(p, dtype, shape, Device::kCuda, std::move(owner));
+}
+
+Tensor CudaBackend::upload(const Tensor& host, DType dtype) {
+  MOELORA_CHECK(host.device() == Device::kCpu && host.contiguous());
+  Tensor out = device_tensor(dtype, host.shape());
+  const int64_t n = host.numel();
+  if (dtype == host.dtype()) {
+    MOELORA_CUDA_CHECK(cudaMemcpy(out.data(), host.data(), host.nbytes(), cudaMemcpyHostToDevice));
+  } else if (dtype == DType::kBF16) {
+    std::vector<uint16_t> v(n);
+    for (int64_t i = 0; i < n; ++i) v[i] = f32_to_bf16(read_as_f32(host, i));
+    MOELORA_CUDA_CHECK(cudaMemcpy(out.data(), v.data(), n * 2, cudaMemcpyHostToDevice));
+  } else if (dtype == DType::kF32) {
+    Tensor f = to_f32(host);
+    MOELORA_CUDA_CHECK(cudaMemcpy(out.data(), f.data(), n * 4, cudaMemcpyHostToDevice));
+  } else {
+    MOELORA_CHECK_MSG(false, "CUDA upload from {} to {}", dtype_name(host.dtype()), dtype_name(dtype));
+  }
+  return out;
+}
+
+LinearWeight CudaBackend::upload_linear(const Tensor& w, const Tensor& scale_inv, int block_out, int block_in) {
+  LinearWeight lw;
+  lw.out = static_cast<int>(w.dim(0));
+  lw.in = static_cast<int>(w.dim(1));
+  lw.block_out = block_out;
+  lw.block_in = block_in;
+  if (w.dtype() == DType::kF8E4M3) {
+    lw.w = upload(w, DType::kF8E4M3);  // FP8 stays FP8
+    lw.scale_inv = upload(scale_inv, DType::kF32);
+  } else {
+    lw.w = upload(w, DType::kBF16);
+  }
+  return lw;
+}
+
+ExpertWeights CudaBackend::upload_experts(const std::vector<Tensor>& gate, const std::vector<Tensor>& gate_scale,
+                                          const std::vector<Tensor>& up, const std::vector<Tensor>& up_scale,
+                                          const std::vector<Tensor>& down, const std::vector<Tensor>& down_scale,
+                                          int block_out, int block_in) {
+  ExpertWeights ew;
+  const int E = static_cast<int>(gate.size());
+  const int I = static_cast<int>(gate[0].dim(0)), H = static_cast<int>(gate[0].dim(1));
+  ew.num_experts = E;
+  ew.hidden = H;
+  ew.intermediate = I;
+  const bool fp8 = !gate_scale.empty();
+  // Packed expert-major: gate then up rows per expert; per-expert scale blocks likewise
+  // (kernels/moe_gemm.cuh "Layouts").
+  auto pack = [&](const std::vector<const std::vector<Tensor>*>& parts, int64_t rows_per_expert, int64_t cols,
+                  DType dt) {
+    const size_t esz = dtype_size(dt);
+    std::vector<uint8_t> host(static_cast<size_t>(E) * rows_per_expert * cols * esz);
+    size_t off = 0;
+    for (int e = 0; e < E; ++e)
+      for (const auto* part : parts) {
+        const Tensor& t = (*part)[e];
+        if (dt == t.dtype()) {
+          std::memcpy(host.data() + off, t.data(), t.nbytes());
+        } else if (dt == DType::kBF16) {
+          auto* d = reinterpret_cast<uint16_t*>(host.data() + off);
+          for (int64_t i = 0; i < t.numel(); ++i) d[i] = f32_to_bf16(read_as_f32(t, i));
+        } else {  // f32 scales
+          auto* d = reinterpret_cast<float*>(host.data() + off);
+          for (int64_t i = 0; i < t.numel(); ++i) d[i] = read_as_f32(t, i);
+        }
+        off += static_cast<size_t>(t.numel()) * esz;
+      }
+    Tensor out = device_tensor(dt, {static_cast<int64_t>(E) * rows_per_expert, cols});
+    MOELORA_CUDA_CHECK(cudaMemcpy(out.data(), host.data(), host.size(), cudaMemcpyHostToDevice));
+    return out;
+  };
+  const DType wt = fp8 ? DType::kF8E4M3 : DType::kBF16;
+  ew.gate_up.w = pack({&gate, &up}, 2 * I, H, wt);
+  ew.gate_up.out = E * 2 * I;
+  ew.gate_up.in = H;
+  ew.gate_up.split_rows = I;
+  ew.down.w = pack({&down}, H, I, wt);
+  ew.down.out = E * H;
+  ew.down.in = I;
+  if (fp8) {
+    const int64_t ib = (I + block_out - 1) / block_out, hb = (H + block_in - 1) / block_in;
+    ew.gate_up.scale_inv = pack({&gate_scale, &up_scale}, 2 * ib, hb, DType::kF32);
+    ew.down.scale_inv = pack({&down_scale}, (H + block_out - 1) / block_out, (I + block_in - 1) / block_in,
+                             DType::kF32);
+  }
+  for (LinearWeight* lw : {&ew.gate_up, &ew.down}) {
+    lw->block_out = block_out;
+    lw->block_in = block_in;
+  }
+  return ew;
+}
+
+Tensor CudaBackend::random_tensor(DType dtype, const std::vector<int64_t>& shape, uint64_t seed, float scale) {
+  Tensor t = device_tensor(dtype, shape);
+  cuda::RandomFillParams p;
+  p.out = t.data();
+  p.n = t.numel();
+  p.seed = seed;
+  p.scale = scale;
+  switch (dtype) {
+    case DType::kF32: p.type = cuda::RandomFillType::kF32; break;
+    case DType::kBF16: p.type = cuda::RandomFillType::kBF16; break;
+    case DType::kF8E4M3: p.type = cuda::RandomFillType::kFP8; break;
+    default: MOELORA_CHECK_MSG(false, "random_tensor of {}", dtype_name(dtype));
+  }
+  cuda::launch_random_fill(p, main_);
+  MOELORA_CUDA_CHECK(cudaStreamSynchronize(main_));
+  return t;
+}
+
+KvLayer CudaBackend::alloc_kv_layer(int num_pages, int page_size, int kv_heads, int k_head_dim, int v_head_dim) {
+  KvLayer kv;
+  kv.page_size = page_size;
+  kv.kv_heads = kv_heads;
+  kv.k_head_dim = k_head_dim;
+  kv.v_head_dim = v_head_dim;
+  // One extra page at the end takes the writes of the padding tokens of graph-replayed steps.
+  kv.k = device_tensor(DType::kBF16, {num_pages + 1, page_size, static_cast<int64_t>(kv_heads) * k_head_dim});
+  kv.v = device_tensor(DType::kBF16, {num_pages + 1, page_size, static_cast<int64_t>(kv_heads) * v_head_dim});
+  pad_page_ = num_pages;
+  page_size_ = page_size;
+  return kv;
+}
+
+LoraModuleTable CudaBackend::alloc_lora_table(int num_slots, int in, int out) {
+  LoraModuleTable t;
+  t.num_slots = num_slots;
+  t.in = in;
+  t.out = out;
+  t.a_ptrs = device_tensor(DType::kI64, {num_slots});
+  t.b_ptrs = device_tensor(DType::kI64, {num_slots});
+  t.ranks = device_tensor(DType::kI32, {num_slots});
+  t.host_rank.assign(num_slots, 0);
+  return t;
+}
+
+MoeLoraTable CudaBackend::alloc_moe_lora_table(int num_slots, int num_experts, int hidden, int intermediate) {
+  MoeLoraTable t;
+  t.num_slots = num_slots;
+  t.num_experts = num_experts;
+  t.hidden = hidden;
+  t.intermediate = intermediate;
+  for (Tensor* p : {&t.gu_a, &t.gu_a_expert_stride, &t.gu_b, &t.gu_b_expert_stride, &t.d_a, &t.d_a_expert_stride,
+                    &t.d_b, &t.d_b_expert_stride})
+    *p = device_tensor(DType::kI64, {num_slots});
+  t.gu_rank = device_tensor(DType::kI32, {num_slots});
+  t.d_rank = device_tensor(DType::kI32, {num_slots});
+  t.host_gu_rank.assign(num_slots, 0);
+  t.host_d_rank.assign(num_slots, 0);
+  return t;
+}
+
+namespace {
+// Table writes happen between steps on the main stream's order (the engine thread owns both),
+// so a running step never sees a half-written slot.
+template <typename T>
+void put(const Tensor& table, int slot, T value, cudaStream_t s) {
+  MOELORA_CUDA_CHECK(cudaMemcpyAsync(static_cast<T*>(table.data()) + slot, &value, sizeof(T), cudaMemcpyHostToDevice, s));
+  MOELORA_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+int64_t addr(const Tensor& t, int rank) { return rank ? reinterpret_cast<int64_t>(t.data()) : 0; }
+}  // namespace
+
+void CudaBackend::set_lora_slot(LoraModuleTable& t, int slot, const Tensor& a, const Tensor& b, int rank) {
+  MOELORA_CHECK(slot >= 0 && slot < t.num_slots);
+  MOELORA_CHECK_MSG(rank <= cuda::kLoraMaxRank, "LoRA rank {} above the CUDA kernels' {}", rank, cuda::kLoraMaxRank);
+  put<int64_t>(t.a_ptrs, slot, addr(a, rank), main_);
+  put<int64_t>(t.b_ptrs, slot, addr(b, rank), main_);
+  put<int32_t>(t.ranks, slot, rank, main_);
+  t.host_rank[slot] = rank;
+  raise_rank_ceiling(rank);
+}
+
+void CudaBackend::set_moe_lora_slot(MoeLoraTable& t, int slot, const MoeLoraSlot& s) {
+  MOELORA_CHECK(slot >= 0 && slot < t.num_slots);
+  put<int64_t>(t.gu_a, slot, addr(s.gu_a, s.gu_rank), main_);
+  put<int64_t>(t.gu_b, slot, addr(s.gu_b, s.gu_rank), main_);
+  put<int64_t>(t.gu_a_expert_stride, slot, s.gu_a_stride, main_);
+  put<int64_t>(t.gu_b_expert_stride, slot, s.gu_b_stride, main_);
+  put<int64_t>(t.d_a, slot, addr(s.d_a, s.d_rank), main_);
+  put<int64_t>(t.d_b, slot, addr(s.d_b, s.d_rank), main_);
+  put<int64_t>(t.d_a_expert_stride, slot, s.d_a_stride, main_);
+  put<int64_t>(t.d_b_expert_stride, slot, s.d_b_stride, main_);
+  put<int32_t>(t.gu_rank, slot, s.gu_rank, main_);
+  put<int32_t>(t.d_rank, slot, s.d_rank, main_);
+  t.host_gu_rank[slot] = s.gu_rank;
+  t.host_d_rank[slot] = s.d_rank;
+  raise_rank_ceiling(std::max(s.gu_rank, s.d_rank));
+}
+
+void* CudaBackend::arena_alloc(size_t bytes) {
+  const size_t aligned = (bytes + 255) / 256 * 256;
+  MOELORA_CHECK_MSG(arena_used_ + aligned <= arena_bytes_,
+                    "step scratch needs more than the {} byte arena (raise CudaBackendOptions::arena_bytes)",
+                    arena_bytes_);
+  void* p = static_cast<char*>(arena_) + arena_used_;
+  arena_used_ += aligned;
+  return p;
+}
+
+Tensor CudaBackend::alloc(int64_t rows, int64_t cols, DType dtype) {
+  void* p = arena_alloc(static_cast<size_t>(rows * cols) * dtype_size(dtype));
+  return Tensor(p, dtype, {rows, cols}, Device::kCuda);
+}
+
+void* CudaBackend::StepMeta::plan_alloc(size_t bytes) {
+  const size_t aligned = (bytes + 255) / 256 * 256;
+  MOELORA_CHECK_MSG(plan_used + aligned <= plan_bytes, "step plans exceed their {} byte region", plan_bytes);
+  void* p = plan_region + plan_used;
+  plan_used += aligned;
+  return p;
+}
+
+const float* CudaBackend::device_inv_freq(const RopeTable& rope) {
+  auto it = inv_freq_.find(rope.inv_freq.data());
+  if (it != inv_freq_.end()) return static_cast<const float*>(it->second.get());
+  void* p = nullptr;
+  MOELORA_CUDA_CHECK(cudaMalloc(&p, rope.inv_freq.size() * 4));
+  MOELORA_CUDA_CHECK(cudaMemcpy(p, rope.inv_freq.data(), rope.inv_freq.size() * 4, cudaMemcpyHostToDevice));
+  std::shared_ptr<void> owner(p, [](void* q) { cudaFree(q); });
+  inv_freq_[rope.inv_freq.data()] = owner;
+  return static_cast<const float*>(p);
+}
+
+Tensor CudaBackend::to_host_f32(const Tensor& t) {
+  Tensor out = Tensor::empty_host(DType::kF32, {t.rows(), t.cols()});
+  if (t.dtype() == DType::kF32) {
+    MOELORA_CUDA_CHECK(cudaMemcpy2DAsync(out.data(), t.cols() * 4, t.data(), t.ld() * 4, t.cols() * 4, t.rows(),
+                                         cudaMemcpyDeviceToHost, main_));
+    MOELORA_CUDA_CHECK(cudaStreamSynchronize(main_));
+    return out;
+  }
+  MOELORA_CHECK(t.dtype() == DType::kBF16);
+  std::vector<uint16_t> tmp(static_cast<size_t>(t.rows() * t.cols()));
+  MOELORA_CUDA_CHECK(cudaMemcpy2DAsync(tmp.data(), t.cols() * 2, t.data(), t.ld() * 2, t.cols() * 2, t.rows(),
+                                       cudaMemcpyDeviceToHost, main_));
+  MOELORA_CUDA_CHECK(cudaStreamSynchronize(main_));
+  for (size_t i = 0; i < tmp.size(); ++i) out.ptr<float>()[i] = bf16_to_f32(tmp[i]);
+  return out;
+}
+
+}  // namespace moelora

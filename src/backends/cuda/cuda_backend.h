@@ -1,0 +1,134 @@
+// The CUDA backend: the Backend interface on the H200 kernels in kernels/*.cu.
+//
+// Memory: weights, adapters, KV pages and LoRA pointer tables are cudaMalloc'd once and live as
+// long as their tensors; everything a step needs (activations, routing scratch, kernel plans)
+// comes from one arena reserved up front and reset by begin_step, so a step allocates nothing
+// and, for the same batch shape, gets the same addresses (what CUDA-graph replay needs).
+// Formats: activations, KV cache and LoRA factors bf16; FP8 weights stay FP8 (e4m3 + f32 block
+// scales); bf16/f16/f32 checkpoint weights become bf16; norms f32 on the host side are uploaded as
+// the dtype the loader asks for.
+// Streams: the main stream runs the forward pass; MoE LoRA work runs on a side stream created
+// with its events at construction (before any capture) and joined by events (kernels/moe_forward).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "ops/backend.h"
+
+namespace moelora::cuda {
+class DenseGemmContext;
+class LoraContext;
+struct AttentionPlan;
+}  // namespace moelora::cuda
+
+namespace moelora {
+
+struct CudaBackendOptions {
+  bool overlap = true;            // MoE LoRA on a side stream
+  bool graphs = true;             // replay captured decode graphs (see CudaGraphCache)
+  size_t arena_bytes = 4ull << 30;  // one layer's scratch of the largest step, plus plans
+  int max_step_tokens = 4096;     // sizes the step metadata buffers; larger steps grow them
+  int max_step_seqs = 512;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(const CudaBackendOptions& opts = {});
+  ~CudaBackend() override;
+
+  std::string name() const override { return "cuda"; }
+  Device device() const override { return Device::kCuda; }
+  DType act_dtype() const override { return DType::kBF16; }
+
+  Tensor upload(const Tensor& host, DType dtype) override;
+  LinearWeight upload_linear(const Tensor& w, const Tensor& scale_inv, int block_out, int block_in) override;
+  ExpertWeights upload_experts(const std::vector<Tensor>& gate, const std::vector<Tensor>& gate_scale,
+                               const std::vector<Tensor>& up, const std::vector<Tensor>& up_scale,
+                               const std::vector<Tensor>& down, const std::vector<Tensor>& down_scale,
+                               int block_out, int block_in) override;
+  Tensor random_tensor(DType dtype, const std::vector<int64_t>& shape, uint64_t seed, float scale) override;
+  KvLayer alloc_kv_layer(int num_pages, int page_size, int kv_heads, int k_head_dim, int v_head_dim) override;
+  DType lora_dtype() const override { return DType::kBF16; }
+  LoraModuleTable alloc_lora_table(int num_slots, int in, int out) override;
+  MoeLoraTable alloc_moe_lora_table(int num_slots, int num_experts, int hidden, int intermediate) override;
+  void set_lora_slot(LoraModuleTable& t, int slot, const Tensor& a, const Tensor& b, int rank) override;
+  void set_moe_lora_slot(MoeLoraTable& t, int slot, const MoeLoraSlot& s) override;
+
+  const StepBatch& begin_step(const StepBatch& batch) override;
+  StepMode step_mode() override { return mode_; }
+  void end_step_body(const Tensor& logits) override;
+  Tensor step_output() override;
+  Tensor alloc(int64_t rows, int64_t cols, DType dtype) override;
+  size_t scratch_mark() override { return arena_used_; }
+  void scratch_release(size_t mark) override { arena_used_ = mark; }
+  void embed(const Tensor& table, Tensor out) override;
+  void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor out) override;
+  void linear(const Tensor& x, const LinearWeight& w, const LoraModuleTable* lora, Tensor out) override;
+  void rope(Tensor x, int heads, int head_stride, int rot_offset, const RopeTable& rope) override;
+  void attention(const Tensor& q, const Tensor& k, const Tensor& v, KvLayer& kv, int heads, float scale,
+                 Tensor out) override;
+  void silu_mul(const Tensor& gate, const Tensor& up, Tensor out) override;
+  void add(const Tensor& x, Tensor inout) override;
+  void router_logits(const Tensor& x, const LinearWeight& gate, Tensor out) override;
+  void topk_softmax(const Tensor& logits, int k, bool renormalize, Tensor ids, Tensor weights) override;
+  void topk_sigmoid_grouped(const Tensor& logits, const Tensor& bias, int k, int n_group, int topk_group,
+                            bool renormalize, float scaling, Tensor ids, Tensor weights) override;
+  void moe(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,
+           const MoeLoraTable* lora, Tensor out) override;
+  void gather_logit_rows(const Tensor& x, Tensor out) override;
+  void mla_split_kv(const Tensor& kv, const Tensor& k_pe, int heads, int nope, int v_dim, Tensor k,
+                    Tensor v) override;
+  Tensor to_host_f32(const Tensor& t) override;
+
+  cudaStream_t stream() const { return main_; }
+
+ private:
+  struct StepMeta;  // device copies of the step's token/page arrays
+  struct Graphs;    // captured decode graphs (cuda_graphs.cu)
+  // Where a captured graph reads a LoRA grouping plan that depends on the batch.
+  struct LoraRecipe {
+    const LoraModuleTable* table;
+    void* dev_meta;
+    size_t bytes;
+    int capacity;
+  };
+  void replan_lora(const std::vector<LoraRecipe>& recipes);
+  void capture_lora(const Tensor& x, void* y, int64_t ld_y, const LoraModuleTable& lora);
+  std::vector<LoraRecipe> capture_recipes_;
+  static constexpr int kGraphMaxPositions = 16384;
+  void upload_step_metadata();
+  void raise_rank_ceiling(int rank);
+  bool graph_lora() const { return mode_ == StepMode::kCapture && lora_active_; }
+  void* arena_alloc(size_t bytes);
+  Tensor device_tensor(DType dtype, const std::vector<int64_t>& shape);  // persistent, zeroed
+  const float* device_inv_freq(const RopeTable& rope);
+
+  CudaBackendOptions opts_;
+  cudaStream_t main_ = nullptr, side_ = nullptr;
+  cudaEvent_t ev_ids_ = nullptr, ev_gu_ = nullptr, ev_act_ = nullptr, ev_d_ = nullptr;
+  std::unique_ptr<cuda::DenseGemmContext> dense_;
+  std::unique_ptr<cuda::LoraContext> lora_;
+  // Arena.
+  void* arena_ = nullptr;
+  size_t arena_bytes_ = 0, arena_used_ = 0;
+  // Step.
+  StepBatch batch_;
+  std::unique_ptr<StepMeta> meta_;
+  std::unique_ptr<cuda::AttentionPlan> attn_plan_;
+  void* attn_meta_ = nullptr;
+  size_t attn_meta_bytes_ = 0;
+  bool attn_planned_ = false;
+  std::map<const float*, std::shared_ptr<void>> inv_freq_;  // rope tables on the device, by host address
+  // CUDA graphs for decode steps.
+  StepMode mode_ = StepMode::kEager;
+  std::unique_ptr<Graphs> graphs_;
+  int pad_page_ = -1, page_size_ = 0;
+  bool lora_active_ = false;     // a token of this (graph) step uses an adapter
+  int lora_rank_ceiling_ = 0;    // power of two >= every rank ever placed in a slot
+};
+
+}  // namespace moelora

@@ -1,0 +1,369 @@
+// CudaBackend, part 2: the ops of a forward pass, each mapped onto kernels/*.cu launches on the
+// main stream (MoE LoRA on the side stream when overlap is on). Plans that depend only on the
+// step's batch (LoRA grouping, attention splits) are made once per step and reused by every layer.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/cuda_backend_internal.h"
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/device_info.h"
+#include "backends/cuda/kernels/attention.cuh"
+#include "backends/cuda/kernels/dense_gemm.cuh"
+#include "backends/cuda/kernels/elementwise.cuh"
+#include "backends/cuda/kernels/lora_dense.cuh"
+#include "backends/cuda/kernels/moe_forward.cuh"
+#include "backends/cuda/kernels/router.cuh"
+
+namespace moelora {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+bf16* act(const Tensor& t) {
+  MOELORA_CHECK_MSG(t.dtype() == DType::kBF16 && t.device() == Device::kCuda, "expected a bf16 device tensor, got {} {}",
+                    dtype_name(t.dtype()), t.shape_string());
+  return static_cast<bf16*>(t.data());
+}
+
+cuda::DenseWeight dense_weight(const LinearWeight& w) {
+  cuda::DenseWeight d;
+  d.w = w.w.data();
+  d.type = w.w.dtype() == DType::kF8E4M3 ? cuda::WeightType::kFP8E4M3 : cuda::WeightType::kBF16;
+  d.out = w.out;
+  d.in = w.in;
+  d.scale_inv = w.scale_inv.defined() ? w.scale_inv.ptr<float>() : nullptr;
+  d.block_out = w.block_out;
+  d.block_in = w.block_in;
+  d.split_rows = w.split_rows;
+  return d;
+}
+
+}  // namespace
+
+void CudaBackend::embed(const Tensor& table, Tensor out) {
+  cuda::EmbedParams p;
+  p.table = act(table);
+  p.vocab = table.dim(0);
+  p.hidden = static_cast<int>(table.dim(1));
+  p.ids = meta_->token_ids;
+  p.T = batch_.num_tokens();
+  p.out = act(out);
+  p.ld_out = out.ld();
+  cuda::launch_embed(p, main_);
+}
+
+void CudaBackend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor out) {
+  cuda::RmsNormParams p;
+  p.x = act(x);
+  p.ld_x = x.ld();
+  p.w = act(w);
+  p.group = static_cast<int>(w.numel());
+  p.cols = static_cast<int>(x.cols());
+  p.T = static_cast<int>(x.rows());
+  p.eps = eps;
+  p.out = act(out);
+  p.ld_out = out.ld();
+  cuda::launch_rmsnorm(p, main_);
+}
+
+void CudaBackend::linear(const Tensor& x, const LinearWeight& w, const LoraModuleTable* lora, Tensor out) {
+  MOELORA_CHECK_MSG(x.cols() == w.in && out.cols() == w.out && x.rows() == out.rows(), "linear: x {} W [{}, {}] out {}",
+                    x.shape_string(), w.out, w.in, out.shape_string());
+  const int M = static_cast<int>(x.rows());
+  cuda::DenseArgs a;
+  a.x = act(x);
+  a.ld_x = x.ld();
+  a.M = M;
+  a.w = dense_weight(w);
+  if (out.dtype() == DType::kF32) a.y_f32 = out.ptr<float>();
+  else a.y = act(out);
+  a.ld_y = out.ld();
+  cuda::DenseScratch scratch;
+  if (a.w.type == cuda::WeightType::kFP8E4M3 && M > cuda::kDenseSmallMMax) {
+    scratch.bytes = cuda::dense_fp8_scratch_bytes(M, w.in);
+    scratch.ptr = arena_alloc(scratch.bytes);
+  }
+  cuda::dense_linear(*dense_, a, scratch, main_);
+  if (lora == nullptr || M == 0) return;
+  if (mode_ == StepMode::kCapture) {
+    if (lora_active_) capture_lora(x, a.y, out.ld(), *lora);
+    return;
+  }
+  // Nothing to do when no token of the step uses a slot with this projection.
+  bool any = false;
+  for (int32_t s : batch_.token_slot) any = any || (s >= 0 && lora->host_rank[s] > 0);
+  if (!any) return;
+  MOELORA_CHECK(out.dtype() == DType::kBF16);
+  cuda::LoraProblem pr;
+  pr.x = a.x;
+  pr.ld_x = a.ld_x;
+  pr.y = a.y;
+  pr.ld_y = a.ld_y;
+  pr.in = lora->in;
+  pr.out = lora->out;
+  pr.num_slots = lora->num_slots;
+  pr.a_ptrs = lora->a_ptrs.ptr<int64_t>();
+  pr.b_ptrs = lora->b_ptrs.ptr<int64_t>();
+  pr.ranks = lora->ranks.ptr<int32_t>();
+  pr.host_rank = lora->host_rank.data();
+  std::string key = fmt::format("{}x{}:{}", lora->in, lora->out, fmt::join(lora->host_rank, ","));
+  auto it = meta_->lora_plans.find(key);
+  if (it == meta_->lora_plans.end()) {
+    StepMeta::PlannedLora pl;
+    pl.plan = cuda::lora_plan(batch_.token_slot.data(), M, &pr, 1);
+    const size_t bytes = cuda::lora_meta_bytes(pl.plan.capacity, M);
+    pl.dev_meta = meta_->plan_alloc(bytes);
+    cuda::lora_upload_plan(pl.plan, pl.dev_meta, bytes, main_);
+    it = meta_->lora_plans.emplace(key, std::move(pl)).first;
+  }
+  cuda::LoraScratch ls;
+  ls.bytes = cuda::lora_single_scratch_bytes(M, &pr, 1);
+  ls.ptr = arena_alloc(ls.bytes);
+  cuda::lora_run(*lora_, &pr, 1, it->second.plan, it->second.dev_meta, ls, main_);
+}
+
+// Inside a capture: the segmented kernel over a fixed number of work items, its plan written to
+// a recipe address before every launch of the graph (see cuda_graphs.cu).
+void CudaBackend::capture_lora(const Tensor& x, void* y, int64_t ld_y, const LoraModuleTable& lora) {
+  const int M = static_cast<int>(x.rows());
+  cuda::LoraProblem pr;
+  pr.x = act(x);
+  pr.ld_x = x.ld();
+  pr.y = static_cast<bf16*>(y);
+  pr.ld_y = ld_y;
+  pr.in = lora.in;
+  pr.out = lora.out;
+  pr.num_slots = lora.num_slots;
+  pr.a_ptrs = lora.a_ptrs.ptr<int64_t>();
+  pr.b_ptrs = lora.b_ptrs.ptr<int64_t>();
+  pr.ranks = lora.ranks.ptr<int32_t>();
+  pr.host_rank = lora.host_rank.data();
+  const int capacity = cuda::lora_max_items(M, lora.num_slots, 1);
+  cuda::LoraPlanOptions po;
+  po.single_adapter_gemm = false;
+  cuda::LoraPlan plan = cuda::lora_plan(batch_.token_slot.data(), M, &pr, 1, po, capacity);
+  const size_t bytes = cuda::lora_meta_bytes(capacity, M);
+  void* dev_meta = meta_->plan_alloc(bytes);
+  capture_recipes_.push_back({&lora, dev_meta, bytes, capacity});
+  cuda::LoraScratch none;
+  cuda::lora_run(*lora_, &pr, 1, plan, dev_meta, none, main_, capacity);
+}
+
+void CudaBackend::rope(Tensor x, int heads, int head_stride, int rot_offset, const RopeTable& rope) {
+  cuda::RopeParams p;
+  p.x = act(x);
+  p.ld_x = x.ld();
+  p.T = static_cast<int>(x.rows());
+  p.positions = meta_->positions;
+  p.heads = heads;
+  p.head_stride = head_stride;
+  p.rot_offset = rot_offset;
+  p.rot_dim = rope.rot_dim;
+  p.interleaved = rope.interleaved;
+  p.inv_freq = device_inv_freq(rope);
+  p.attention_factor = rope.attention_factor;
+  cuda::launch_rope(p, main_);
+}
+
+void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, KvLayer& kv, int heads, float scale,
+                            Tensor out) {
+  MOELORA_CHECK_MSG(cuda::attention_head_dims_supported(kv.k_head_dim, kv.v_head_dim),
+                    "the CUDA attention kernels do not support head dims (k {}, v {})", kv.k_head_dim, kv.v_head_dim);
+  const int T = static_cast<int>(q.rows());
+  if (!attn_planned_) {  // same for every layer of the step
+    static const int sms = cuda::query_device().num_sms;
+    cuda::AttentionPlanOptions o;
+    o.num_sms = sms;
+    if (mode_ == StepMode::kCapture) {  // a fixed grid for every replay of this graph
+      o.force_mode = 1;
+      o.max_positions = kGraphMaxPositions;
+    }
+    *attn_plan_ = cuda::attention_plan(batch_.positions.data(), batch_.token_seq.data(), T, heads, kv.kv_heads, o);
+    attn_meta_bytes_ = cuda::attention_meta_bytes(*attn_plan_);
+    attn_meta_ = attn_meta_bytes_ ? meta_->plan_alloc(attn_meta_bytes_) : nullptr;
+    MOELORA_CHECK_MSG(attn_meta_bytes_ == 0 || mode_ != StepMode::kCapture, "decode attention plans carry no metadata");
+    if (attn_meta_bytes_) cuda::attention_upload_plan(*attn_plan_, attn_meta_, attn_meta_bytes_, main_);
+    attn_planned_ = true;
+  }
+  cuda::AttentionParams p;
+  p.q = act(q);
+  p.ld_q = q.ld();
+  p.k = act(k);
+  p.ld_k = k.ld();
+  p.v = act(v);
+  p.ld_v = v.ld();
+  p.out = act(out);
+  p.ld_out = out.ld();
+  p.T = T;
+  p.heads = heads;
+  p.scale = scale;
+  p.k_cache = act(kv.k);
+  p.v_cache = act(kv.v);
+  p.page_size = kv.page_size;
+  p.kv_heads = kv.kv_heads;
+  p.k_head_dim = kv.k_head_dim;
+  p.v_head_dim = kv.v_head_dim;
+  p.positions = meta_->positions;
+  p.token_seq = meta_->token_seq;
+  p.page_indptr = meta_->page_indptr;
+  p.page_indices = meta_->page_indices;
+  const size_t ws = cuda::attention_workspace_bytes(*attn_plan_, T, heads, kv.v_head_dim);
+  void* w = ws ? arena_alloc(ws) : nullptr;
+  cuda::launch_attention(p, *attn_plan_, attn_meta_, w, ws, main_);
+}
+
+void CudaBackend::silu_mul(const Tensor& gate, const Tensor& up, Tensor out) {
+  cuda::SiluMulParams p;
+  p.gate = act(gate);
+  p.ld_gate = gate.ld();
+  p.up = act(up);
+  p.ld_up = up.ld();
+  p.T = static_cast<int>(gate.rows());
+  p.cols = static_cast<int>(gate.cols());
+  p.out = act(out);
+  p.ld_out = out.ld();
+  cuda::launch_silu_mul(p, main_);
+}
+
+void CudaBackend::add(const Tensor& x, Tensor inout) {
+  cuda::AddParams p;
+  p.x = act(x);
+  p.ld_x = x.ld();
+  p.inout = act(inout);
+  p.ld_inout = inout.ld();
+  p.T = static_cast<int>(x.rows());
+  p.cols = static_cast<int>(x.cols());
+  cuda::launch_add(p, main_);
+}
+
+void CudaBackend::router_logits(const Tensor& x, const LinearWeight& gate, Tensor out) {
+  linear(x, gate, nullptr, out);  // out is f32: dense_linear writes f32 logits
+}
+
+void CudaBackend::topk_softmax(const Tensor& logits, int k, bool renormalize, Tensor ids, Tensor weights) {
+  cuda::RouterParams p;
+  p.logits = logits.ptr<float>();
+  p.T = static_cast<int>(logits.rows());
+  p.E = static_cast<int>(logits.cols());
+  p.k = k;
+  p.mode = cuda::RouterMode::kSoftmax;
+  p.renormalize = renormalize;
+  p.ids = ids.ptr<int32_t>();
+  p.weights = weights.ptr<float>();
+  cuda::router_topk(p, main_);
+}
+
+void CudaBackend::topk_sigmoid_grouped(const Tensor& logits, const Tensor& bias, int k, int n_group, int topk_group,
+                                       bool renormalize, float scaling, Tensor ids, Tensor weights) {
+  cuda::RouterParams p;
+  p.logits = logits.ptr<float>();
+  p.bias = bias.ptr<float>();
+  p.T = static_cast<int>(logits.rows());
+  p.E = static_cast<int>(logits.cols());
+  p.k = k;
+  p.mode = cuda::RouterMode::kSigmoidGrouped;
+  p.renormalize = renormalize;
+  p.n_group = n_group;
+  p.topk_group = topk_group;
+  p.scaling = scaling;
+  p.ids = ids.ptr<int32_t>();
+  p.weights = weights.ptr<float>();
+  cuda::router_topk(p, main_);
+}
+
+void CudaBackend::moe(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,
+                      const MoeLoraTable* lora, Tensor out) {
+  const int T = static_cast<int>(x.rows());
+  cuda::MoeForwardArgs a;
+  a.T = T;
+  a.x = act(x);
+  a.ldx = x.ld();
+  a.ids = ids.ptr<int32_t>();
+  a.weights = weights.ptr<float>();
+  a.wtype = experts.gate_up.w.dtype() == DType::kF8E4M3 ? cuda::MoeWeightType::kFp8 : cuda::MoeWeightType::kBf16;
+  a.w_gate_up = experts.gate_up.w.data();
+  a.s_gate_up = experts.gate_up.scale_inv.defined() ? experts.gate_up.scale_inv.ptr<float>() : nullptr;
+  a.w_down = experts.down.w.data();
+  a.s_down = experts.down.scale_inv.defined() ? experts.down.scale_inv.ptr<float>() : nullptr;
+  a.shape = {T, static_cast<int>(ids.cols()), experts.num_experts, experts.hidden, experts.intermediate};
+  a.out = act(out);
+  a.ldo = out.ld();
+  // LoRA only when some token of the step uses a slot with expert LoRA here.
+  cuda::MoeLoraDevice dev;
+  cuda::MoeLoraShape lshape;
+  if (lora) {
+    int max_rank = 0;
+    bool any = false;
+    for (int32_t s : batch_.token_slot)
+      if (s >= 0) {
+        any = any || lora->host_gu_rank[s] > 0 || lora->host_d_rank[s] > 0;
+      }
+    for (int s = 0; s < lora->num_slots; ++s) max_rank = std::max({max_rank, lora->host_gu_rank[s], lora->host_d_rank[s]});
+    if (mode_ == StepMode::kCapture) {  // replays may bring any adapter up to the ceiling
+      any = lora_active_;
+      max_rank = lora_rank_ceiling_;
+    }
+    if (any) {
+      dev.num_slots = lora->num_slots;
+      dev.max_rank = max_rank;
+      dev.gu_a = {lora->gu_a.ptr<int64_t>(), lora->gu_a_expert_stride.ptr<int64_t>(), lora->gu_rank.ptr<int32_t>()};
+      dev.gu_b = {lora->gu_b.ptr<int64_t>(), lora->gu_b_expert_stride.ptr<int64_t>(), lora->gu_rank.ptr<int32_t>()};
+      dev.d_a = {lora->d_a.ptr<int64_t>(), lora->d_a_expert_stride.ptr<int64_t>(), lora->d_rank.ptr<int32_t>()};
+      dev.d_b = {lora->d_b.ptr<int64_t>(), lora->d_b_expert_stride.ptr<int64_t>(), lora->d_rank.ptr<int32_t>()};
+      lshape = {lora->num_slots, max_rank};
+      a.lora = &dev;
+      a.token_slot = meta_->token_slot;
+    }
+  }
+  const size_t bytes = cuda::moe_workspace_bytes(a.shape, a.lora ? &lshape : nullptr);
+  cuda::MoeWorkspace ws = cuda::moe_workspace_carve(arena_alloc(bytes), a.shape, a.lora ? &lshape : nullptr);
+  cuda::MoeStreams st;
+  st.main = main_;
+  if (a.lora && opts_.overlap) {
+    st.side = side_;
+    st.ev_ids = ev_ids_;
+    st.ev_gu = ev_gu_;
+    st.ev_act = ev_act_;
+    st.ev_d = ev_d_;
+  }
+  cuda::moe_forward(a, ws, st);
+}
+
+void CudaBackend::gather_logit_rows(const Tensor& x, Tensor out) {
+  cuda::GatherRowsParams p;
+  p.x = x.data();
+  p.ld_x = x.ld();
+  p.rows = meta_->logit_rows;
+  p.R = static_cast<int>(batch_.logit_rows.size());
+  p.cols = static_cast<int>(x.cols());
+  p.elem_bytes = static_cast<int>(dtype_size(x.dtype()));
+  p.out = out.data();
+  p.ld_out = out.ld();
+  cuda::launch_gather_rows(p, main_);
+}
+
+void CudaBackend::mla_split_kv(const Tensor& kv, const Tensor& k_pe, int heads, int nope, int v_dim, Tensor k,
+                               Tensor v) {
+  cuda::MlaSplitKvParams p;
+  p.kv = act(kv);
+  p.ld_kv = kv.ld();
+  p.k_pe = act(k_pe);
+  p.ld_k_pe = k_pe.ld();
+  p.T = static_cast<int>(kv.rows());
+  p.heads = heads;
+  p.nope = nope;
+  p.rope = static_cast<int>(k_pe.cols());
+  p.v_dim = v_dim;
+  p.k = act(k);
+  p.ld_k = k.ld();
+  p.v = act(v);
+  p.ld_v = v.ld();
+  cuda::launch_mla_split_kv(p, main_);
+}
+
+}  // namespace moelora

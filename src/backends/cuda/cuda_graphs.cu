@@ -1,0 +1,166 @@
+// CudaBackend, part 3: the step's metadata and CUDA graphs for decode steps.
+//
+// A decode step (every sequence brings one token, at most kMaxGraphTokens tokens, contexts under
+// kGraphMaxPositions) is padded to a bucket (1, 2, 4, ... 256 tokens); padding tokens use no
+// adapter, position 0, and a page reserved for them. Per (bucket, any adapter in the batch,
+// LoRA rank ceiling) the first such step runs eagerly (warm-up: lazy uploads, cuBLASLt algorithm
+// choice), the second is captured, later ones replay. What a replay needs that depends on the
+// batch lives in static device memory written before the launch: the step arrays (fixed-capacity
+// layout at the start of the arena) and the LoRA grouping plans (re-planned on the host and
+// uploaded to the addresses the graph reads, "recipes"). Side-stream MoE LoRA enters the graph
+// through event fork/join (kernels/moe_forward); nothing is allocated during capture.
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <map>
+
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/cuda_backend_internal.h"
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/kernels/lora_dense.cuh"
+
+namespace moelora {
+
+namespace {
+constexpr int kMaxGraphTokens = 256;
+
+int bucket_of(int T) {
+  int b = 1;
+  while (b < T) b <<= 1;
+  return b;
+}
+}  // namespace
+
+void CudaBackend::raise_rank_ceiling(int rank) {
+  int c = lora_rank_ceiling_ ? lora_rank_ceiling_ : 1;
+  while (c < rank) c <<= 1;
+  if (c != lora_rank_ceiling_ && rank > 0) {
+    lora_rank_ceiling_ = c;
+    if (graphs_) graphs_->clear();  // graphs sized for the old ceiling are not reused
+  }
+}
+
+// The step arrays at fixed offsets of the arena (capacities only grow, and growing drops the
+// graphs, whose kernels read the old offsets).
+void CudaBackend::upload_step_metadata() {
+  const StepBatch& b = batch_;
+  const int T = b.num_tokens(), S = b.num_seqs(), R = static_cast<int>(b.logit_rows.size());
+  std::vector<int32_t> indptr(S + 1, 0), indices;
+  for (int s = 0; s < S; ++s) {
+    indices.insert(indices.end(), b.seq_pages[s].begin(), b.seq_pages[s].end());
+    indptr[s + 1] = static_cast<int32_t>(indices.size());
+  }
+  const size_t cap_t = std::max<size_t>(opts_.max_step_tokens, T);
+  const size_t cap_s = std::max<size_t>(opts_.max_step_seqs, S) + 1;
+  const size_t cap_p = std::max<size_t>(8 * cap_s, indices.size());
+  if (cap_t > static_cast<size_t>(opts_.max_step_tokens) || cap_s > static_cast<size_t>(opts_.max_step_seqs) + 1 ||
+      cap_p > meta_->page_capacity) {
+    opts_.max_step_tokens = static_cast<int>(cap_t);
+    opts_.max_step_seqs = static_cast<int>(cap_s - 1);
+    meta_->page_capacity = cap_p;
+    if (graphs_) graphs_->clear();
+  }
+  meta_->page_capacity = std::max(meta_->page_capacity, cap_p);
+  const size_t words = 5 * cap_t + cap_s + meta_->page_capacity;
+  if (meta_->pinned_words < words) {
+    if (meta_->pinned) MOELORA_CUDA_CHECK(cudaFreeHost(meta_->pinned));
+    meta_->pinned_words = words;
+    MOELORA_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&meta_->pinned), words * 4, 0));
+  }
+  int32_t* dev = static_cast<int32_t*>(arena_alloc(words * 4));
+  size_t off = 0;
+  auto place = [&](const int32_t* src, size_t n, size_t cap, const int32_t** dst) {
+    std::memcpy(meta_->pinned + off, src, n * 4);
+    *dst = dev + off;
+    off += cap;
+  };
+  place(b.token_ids.data(), T, cap_t, &meta_->token_ids);
+  place(b.positions.data(), T, cap_t, &meta_->positions);
+  place(b.token_seq.data(), T, cap_t, &meta_->token_seq);
+  place(b.token_slot.data(), T, cap_t, &meta_->token_slot);
+  place(b.logit_rows.data(), R, cap_t, &meta_->logit_rows);
+  place(indptr.data(), indptr.size(), cap_s, &meta_->page_indptr);
+  place(indices.data(), indices.size(), meta_->page_capacity, &meta_->page_indices);
+  MOELORA_CUDA_CHECK(cudaMemcpyAsync(dev, meta_->pinned, off * 4, cudaMemcpyHostToDevice, main_));
+}
+
+const StepBatch& CudaBackend::begin_step(const StepBatch& in) {
+  if (!graphs_) graphs_ = std::make_unique<Graphs>();
+  mode_ = StepMode::kEager;
+  batch_ = in;
+  const int T = in.num_tokens();
+  bool graph = opts_.graphs && pad_page_ >= 0 && T > 0 && T <= kMaxGraphTokens && in.num_seqs() == T &&
+               static_cast<int>(in.logit_rows.size()) == T;
+  for (int t = 0; graph && t < T; ++t)
+    graph = in.token_seq[t] == t && in.logit_rows[t] == t && in.positions[t] < kGraphMaxPositions;
+  if (graph) {
+    const int bucket = bucket_of(T);
+    lora_active_ = false;
+    for (int32_t s : in.token_slot) lora_active_ = lora_active_ || s >= 0;
+    for (int t = T; t < bucket; ++t) {  // padding: no adapter, position 0, the reserved page
+      batch_.token_ids.push_back(0);
+      batch_.positions.push_back(0);
+      batch_.token_seq.push_back(t);
+      batch_.token_slot.push_back(-1);
+      batch_.seq_pages.push_back({pad_page_});
+      batch_.logit_rows.push_back(t);
+    }
+    graphs_->key = static_cast<uint64_t>(bucket) | (static_cast<uint64_t>(lora_active_) << 16) |
+                   (static_cast<uint64_t>(lora_active_ ? lora_rank_ceiling_ : 0) << 20);
+  }
+  arena_used_ = 0;
+  attn_planned_ = false;
+  meta_->lora_plans.clear();
+  upload_step_metadata();
+  meta_->plan_bytes = (8u << 20) + 256u * static_cast<size_t>(batch_.num_tokens());
+  meta_->plan_region = static_cast<char*>(arena_alloc(meta_->plan_bytes));
+  meta_->plan_used = 0;
+  if (!graph) return batch_;
+
+  auto it = graphs_->entries.find(graphs_->key);
+  if (it != graphs_->entries.end()) {
+    // Replay: re-plan LoRA grouping for this batch into the addresses the graph reads.
+    replan_lora(it->second.recipes);
+    MOELORA_CUDA_CHECK(cudaGraphLaunch(it->second.exec, main_));
+    mode_ = StepMode::kReplay;
+  } else if (graphs_->seen[graphs_->key]++ >= 1) {
+    capture_recipes_.clear();
+    MOELORA_CUDA_CHECK(cudaStreamBeginCapture(main_, cudaStreamCaptureModeThreadLocal));
+    mode_ = StepMode::kCapture;
+  }
+  return batch_;
+}
+
+void CudaBackend::replan_lora(const std::vector<LoraRecipe>& recipes) {
+  for (const auto& r : recipes) {
+    cuda::LoraProblem pr;
+    pr.in = r.table->in;
+    pr.out = r.table->out;
+    pr.num_slots = r.table->num_slots;
+    pr.host_rank = r.table->host_rank.data();
+    cuda::LoraPlanOptions po;
+    po.single_adapter_gemm = false;  // the graph launched the segmented kernel
+    cuda::LoraPlan plan = cuda::lora_plan(batch_.token_slot.data(), batch_.num_tokens(), &pr, 1, po, r.capacity);
+    cuda::lora_upload_plan(plan, r.dev_meta, r.bytes, main_);
+  }
+}
+
+void CudaBackend::end_step_body(const Tensor& logits) {
+  if (mode_ != StepMode::kCapture) return;
+  cudaGraph_t graph = nullptr;
+  MOELORA_CUDA_CHECK(cudaStreamEndCapture(main_, &graph));
+  Graphs::Entry e;
+  MOELORA_CUDA_CHECK(cudaGraphInstantiate(&e.exec, graph, 0));
+  MOELORA_CUDA_CHECK(cudaGraphDestroy(graph));
+  e.output = logits;
+  e.recipes = std::move(capture_recipes_);
+  // The capture recorded the work without running it: write this step's LoRA plans (uploads
+  // cannot be captured), then run the graph.
+  replan_lora(e.recipes);
+  MOELORA_CUDA_CHECK(cudaGraphLaunch(e.exec, main_));
+  graphs_->entries[graphs_->key] = std::move(e);
+}
+
+Tensor CudaBackend::step_output() { return graphs_->entries.at(graphs_->key).output; }
+
+}  // namespace moelora

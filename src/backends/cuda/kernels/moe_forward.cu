@@ -1,0 +1,302 @@
+// Workspace layout and launch sequence of one MoE layer (see moe_forward.cuh).
+#include "backends/cuda/kernels/moe_forward.cuh"
+
+#include <algorithm>
+
+namespace moelora::cuda {
+
+namespace {
+
+constexpr size_t kAlign = 256;
+constexpr int kMinTileRows = 8;      // smallest GEMM tile: sizes the base tile list for every config
+// One CTA routes every token inside moe_align: on the H200 (run 1) this beat the separate router
+// launch at T = 1 but lost at T = 64, where 32 warps route 2 tokens each in series.
+constexpr int kFuseRouteMaxT = 8;
+
+size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+
+// Walks the layout once; with base == nullptr it only measures.
+struct Carver {
+  uint8_t* base;
+  size_t off = 0;
+  template <typename T>
+  T* take(size_t n) {
+    T* p = base ? reinterpret_cast<T*>(base + off) : nullptr;
+    off += align_up(n * sizeof(T));
+    return p;
+  }
+};
+
+MoeWorkspace layout(void* base, const MoeShape& s, const MoeLoraShape* lora, size_t* bytes) {
+  Carver c{static_cast<uint8_t*>(base)};
+  MoeWorkspace w;
+  const size_t P = static_cast<size_t>(s.max_tokens) * s.k;
+  w.counters = c.take<int32_t>(kMoeNumCounters);
+  w.sorted = c.take<int32_t>(std::max<size_t>(P, 1));
+  w.max_tiles = moe_max_tiles(static_cast<int>(P), s.E, kMinTileRows);
+  w.tiles = c.take<MoeTile>(std::max(w.max_tiles, 1));
+  // [tiles, rows] for any GEMM tile: sum_e ceil(n_e / rows) * rows <= P + rows * min(E, P), rows <= 64.
+  w.tile_pairs = c.take<int32_t>(P + 64 * std::min<size_t>(s.E, P) + 1);
+  w.act = c.take<bf16>(std::max<size_t>(P * s.I, 1));
+  w.y = c.take<float>(std::max<size_t>(P * s.H, 1));
+  if (lora) {
+    const int nb = lora->num_slots * s.E + 1;
+    w.l_sorted = c.take<int32_t>(std::max<size_t>(P, 1));
+    w.max_l_tiles = moe_max_tiles(static_cast<int>(P), nb, kMoeLoraTileRows);
+    w.l_tiles = c.take<MoeTile>(std::max(w.max_l_tiles, 1));
+    w.t_sorted = c.take<int32_t>(std::max(s.max_tokens, 1));
+    w.max_g_tiles = w.max_l_tiles + moe_max_tiles(s.max_tokens, lora->num_slots, kMoeLoraTileRows);
+    w.g_tiles = c.take<MoeTile>(std::max(w.max_g_tiles, 1));
+    w.ldu = std::max(lora->max_rank, 1);
+    w.u_gu_pair = c.take<float>(std::max<size_t>(P * w.ldu, 1));
+    w.u_gu_tok = c.take<float>(std::max<size_t>(static_cast<size_t>(s.max_tokens) * w.ldu, 1));
+    w.u_d = c.take<float>(std::max<size_t>(P * w.ldu, 1));
+    w.delta_gu = c.take<bf16>(std::max<size_t>(P * 2 * s.I, 1));
+    w.delta_d = c.take<bf16>(std::max<size_t>(P * s.H, 1));
+  }
+  *bytes = c.off;
+  return w;
+}
+
+MoeLoraFusedParams fused_params(const MoeForwardArgs& a, const MoeWorkspace& ws, bool gate_up, bool pdl) {
+  const MoeShape& s = a.shape;
+  MoeLoraFusedParams f;
+  f.x = gate_up ? a.x : ws.act;
+  f.ldx = gate_up ? a.ldx : s.I;
+  f.K = gate_up ? s.H : s.I;
+  f.x_row_div = gate_up ? s.k : 1;
+  f.tiles = ws.l_tiles;
+  f.num_tiles = ws.counters + kMoeCntLoraTiles;
+  f.max_tiles = ws.max_l_tiles;
+  f.sorted_pairs = ws.l_sorted;
+  f.a = gate_up ? a.lora->gu_a : a.lora->d_a;
+  f.b = gate_up ? a.lora->gu_b : a.lora->d_b;
+  f.num_slots = a.lora->num_slots;
+  f.N = gate_up ? 2 * s.I : s.H;
+  f.out = gate_up ? ws.delta_gu : ws.delta_d;
+  f.pdl = pdl;
+  return f;
+}
+
+}  // namespace
+
+size_t moe_workspace_bytes(const MoeShape& s, const MoeLoraShape* lora) {
+  size_t b = 0;
+  layout(nullptr, s, lora, &b);
+  return b;
+}
+
+MoeWorkspace moe_workspace_carve(void* base, const MoeShape& s, const MoeLoraShape* lora) {
+  MOELORA_CHECK(base && (reinterpret_cast<uintptr_t>(base) % kAlign) == 0);
+  MOELORA_CHECK(!lora || (lora->max_rank >= 0 && lora->max_rank <= kMoeLoraMaxRank));
+  size_t b = 0;
+  return layout(base, s, lora, &b);
+}
+
+void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStreams& st) {
+  const MoeShape& s = a.shape;
+  MOELORA_CHECK(a.T >= 0 && a.T <= s.max_tokens && a.x && a.ids && a.weights && a.out);
+  if (a.T == 0) return;
+  const bool lora = a.lora != nullptr && a.token_slot != nullptr;
+  MOELORA_CHECK(!lora || (ws.l_tiles && ws.ldu >= a.lora->max_rank));
+  MOELORA_CHECK(!lora || !st.side || (st.ev_ids && st.ev_gu && st.ev_act && st.ev_d));
+  const bool two_streams = lora && st.side;
+  MOELORA_CHECK(a.stop_after == 0 || !lora);
+  cudaStream_t M = st.main, S = two_streams ? st.side : st.main;
+  const int P = a.T * s.k;
+
+  const MoeGemmTile tile = a.tile_override >= 0 ? static_cast<MoeGemmTile>(a.tile_override)
+                                                : moe_gemm_config(a.T, s.k, s.E, s.H, s.I);
+
+  // ---- Routing + alignment (one launch when routing is fused).
+  RouterParams rp = a.router;
+  rp.logits = a.logits;
+  rp.T = a.T;
+  rp.E = s.E;
+  rp.k = s.k;
+  rp.ids = a.ids;
+  rp.weights = a.weights;
+  const bool fuse = a.logits && a.fuse_route && a.T <= kFuseRouteMaxT && s.E <= 256;
+  if (a.logits && !fuse) {
+    rp.pdl = a.pdl;
+    router_topk(rp, M);
+  }
+  MoeAlignParams al;
+  if (fuse) al.route = rp;
+  al.route.logits = fuse ? a.logits : nullptr;
+  al.ids = a.ids;
+  al.T = a.T;
+  al.k = s.k;
+  al.E = s.E;
+  al.tile_rows = moe_gemm_tile_rows(tile);
+  al.sorted = ws.sorted;
+  al.tile_pairs = ws.tile_pairs;
+  al.tiles = ws.tiles;
+  al.max_tiles = ws.max_tiles;
+  al.counters = ws.counters;
+  if (lora) {
+    al.token_slot = a.token_slot;
+    al.num_slots = a.lora->num_slots;
+    al.gu_rank = a.lora->gu_a.rank;
+    al.d_rank = a.lora->d_a.rank;
+    al.gu_a_stride = a.lora->gu_a.stride;
+    al.l_sorted = ws.l_sorted;
+    al.l_tiles = ws.l_tiles;
+    al.max_l_tiles = ws.max_l_tiles;
+    al.t_sorted = ws.t_sorted;
+    al.g_tiles = ws.g_tiles;
+    al.max_g_tiles = ws.max_g_tiles;
+  }
+  al.pdl = a.pdl && a.logits && !fuse;  // PDL only behind our own router kernel (else: first of the layer)
+  moe_align(al, M);
+  if (a.stop_after == 1) return;
+
+  // ---- gate_up LoRA delta (side stream).
+  if (lora) {
+    if (two_streams) {
+      MOELORA_CUDA_CHECK(cudaEventRecord(st.ev_ids, M));
+      MOELORA_CUDA_CHECK(cudaStreamWaitEvent(S, st.ev_ids, 0));
+    }
+    if (a.lora_fused) {
+      moe_lora_fused(fused_params(a, ws, /*gate_up=*/true, a.pdl && !two_streams), S);
+    } else {
+      MoeLoraShrinkParams sh;
+      sh.x = a.x;
+      sh.ldx = a.ldx;
+      sh.K = s.H;
+      sh.x_row_div = s.k;
+      sh.tiles = ws.g_tiles;
+      sh.num_tiles = ws.counters + kMoeCntLoraGuTiles;
+      sh.max_tiles = ws.max_g_tiles;
+      sh.sorted_pairs = ws.l_sorted;
+      sh.sorted_tokens = ws.t_sorted;
+      sh.a = a.lora->gu_a;
+      sh.num_slots = a.lora->num_slots;
+      sh.max_rank = a.lora->max_rank;
+      sh.u_pair = ws.u_gu_pair;
+      sh.u_tok = ws.u_gu_tok;
+      sh.ldu = ws.ldu;
+      sh.pdl = a.pdl && !two_streams;  // behind moe_align on the same stream
+      moe_lora_shrink(sh, S);
+      MoeLoraExpandParams ex;
+      ex.u_pair = ws.u_gu_pair;
+      ex.u_tok = ws.u_gu_tok;
+      ex.ldu = ws.ldu;
+      ex.top_k = s.k;
+      ex.a_stride = a.lora->gu_a.stride;
+      ex.tiles = ws.l_tiles;
+      ex.num_tiles = ws.counters + kMoeCntLoraTiles;
+      ex.max_tiles = ws.max_l_tiles;
+      ex.sorted_pairs = ws.l_sorted;
+      ex.b = a.lora->gu_b;
+      ex.num_slots = a.lora->num_slots;
+      ex.N = 2 * s.I;
+      ex.out = ws.delta_gu;
+      ex.pdl = a.pdl;
+      moe_lora_expand(ex, S);
+    }
+    if (two_streams) {
+      MOELORA_CUDA_CHECK(cudaEventRecord(st.ev_gu, S));
+      MOELORA_CUDA_CHECK(cudaStreamWaitEvent(M, st.ev_gu, 0));
+    }
+  }
+
+  // ---- Base gate_up (+ delta before SwiGLU).
+  MoeGemmParams g;
+  g.wtype = a.wtype;
+  g.tile = tile;
+  g.E = s.E;
+  g.H = s.H;
+  g.I = s.I;
+  g.top_k = s.k;
+  g.w = a.w_gate_up;
+  g.w_scale = a.s_gate_up;
+  g.x = a.x;
+  g.ldx = a.ldx;
+  g.tile_pairs = ws.tile_pairs;
+  g.align_tile_rows = al.tile_rows;
+  g.tiles = ws.tiles;
+  g.counters = ws.counters;
+  g.max_tiles = moe_max_tiles(P, s.E, moe_gemm_tile_rows(tile));
+  g.lora_delta = lora ? ws.delta_gu : nullptr;
+  g.act = ws.act;
+  g.pdl = a.pdl && !two_streams;  // an event wait precedes it with two streams
+  moe_gate_up(g, M);
+  if (a.stop_after == 2) return;
+
+  // ---- down LoRA delta (side stream, concurrent with the base down GEMM).
+  if (lora) {
+    if (two_streams) {
+      MOELORA_CUDA_CHECK(cudaEventRecord(st.ev_act, M));
+      MOELORA_CUDA_CHECK(cudaStreamWaitEvent(S, st.ev_act, 0));
+    }
+    if (a.lora_fused) {
+      moe_lora_fused(fused_params(a, ws, /*gate_up=*/false, a.pdl && !two_streams), S);
+    } else {
+      MoeLoraShrinkParams sh;
+      sh.x = ws.act;
+      sh.ldx = s.I;
+      sh.K = s.I;
+      sh.x_row_div = 1;
+      sh.tiles = ws.l_tiles;
+      sh.num_tiles = ws.counters + kMoeCntLoraTiles;
+      sh.max_tiles = ws.max_l_tiles;
+      sh.sorted_pairs = ws.l_sorted;
+      sh.a = a.lora->d_a;
+      sh.num_slots = a.lora->num_slots;
+      sh.max_rank = a.lora->max_rank;
+      sh.u_pair = ws.u_d;
+      sh.ldu = ws.ldu;
+      sh.pdl = a.pdl && !two_streams;  // behind gate_up on one stream; behind an event wait otherwise
+      moe_lora_shrink(sh, S);
+      MoeLoraExpandParams ex;
+      ex.u_pair = ws.u_d;
+      ex.ldu = ws.ldu;
+      ex.top_k = s.k;
+      ex.tiles = ws.l_tiles;
+      ex.num_tiles = ws.counters + kMoeCntLoraTiles;
+      ex.max_tiles = ws.max_l_tiles;
+      ex.sorted_pairs = ws.l_sorted;
+      ex.b = a.lora->d_b;
+      ex.num_slots = a.lora->num_slots;
+      ex.N = s.H;
+      ex.out = ws.delta_d;
+      ex.pdl = a.pdl;
+      moe_lora_expand(ex, S);
+    }
+    if (two_streams) MOELORA_CUDA_CHECK(cudaEventRecord(st.ev_d, S));
+  }
+
+  // ---- Base down, then the weighted sum over k.
+  MoeGemmParams d = g;
+  d.w = a.w_down;
+  d.w_scale = a.s_down;
+  d.x = ws.act;
+  d.ldx = s.I;
+  d.lora_delta = nullptr;
+  d.act = nullptr;
+  d.y = ws.y;
+  // Its stream predecessor is one of our kernels (gate_up, or the down LoRA expand on one stream),
+  // which triggers only after its own wait: moe_align is complete when down starts early.
+  d.pdl = a.pdl;
+  d.early_prefetch = a.pdl;
+  moe_down(d, M);
+  if (a.stop_after == 3) return;
+  if (two_streams) MOELORA_CUDA_CHECK(cudaStreamWaitEvent(M, st.ev_d, 0));
+
+  MoeReduceParams r;
+  r.y = ws.y;
+  r.lora_delta = lora ? ws.delta_d : nullptr;
+  r.ids = a.ids;
+  r.weights = a.weights;
+  r.T = a.T;
+  r.k = s.k;
+  r.E = s.E;
+  r.H = s.H;
+  r.out = a.out;
+  r.ldo = a.ldo;
+  r.pdl = a.pdl && !two_streams;
+  moe_reduce(r, M);
+}
+
+}  // namespace moelora::cuda

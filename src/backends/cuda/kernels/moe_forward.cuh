@@ -1,0 +1,110 @@
+// One routed-MoE layer from the kernels of router / moe_align / moe_gemm / moe_lora: the
+// worst-case scratch layout and the launch sequence, including the side-stream LoRA handoff.
+// The CUDA backend can call moe_forward as is or copy its sequence; tests/ops and dev/ use it.
+//
+// Sequence (main stream M, side stream S, events created by the caller before any capture):
+//   M: [router_topk]  moe_align (base tiles + LoRA groups; routing fused in when fuse_route)
+//   M: record ev_ids ─► S: wait ev_ids, gate_up shrink, gate_up expand -> delta_gu, record ev_gu
+//   M: wait ev_gu, moe_gate_up(+ delta_gu before SwiGLU) -> act, record ev_act
+//   S: wait ev_act, down shrink(act), down expand -> delta_d, record ev_d
+//   M: moe_down -> y (concurrently with S), wait ev_d, moe_reduce(y, delta_d) -> out
+// No buffer is written by one stream while the other reads it without an event in between; no
+// allocation happens anywhere (all scratch is the caller's MoeWorkspace). Without a side stream
+// the LoRA kernels run on M in the same order.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "backends/cuda/kernels/moe_align.cuh"
+#include "backends/cuda/kernels/moe_gemm.cuh"
+#include "backends/cuda/kernels/moe_lora.cuh"
+#include "backends/cuda/kernels/router.cuh"
+
+namespace moelora::cuda {
+
+struct MoeShape {
+  int max_tokens = 0;  // the largest T this workspace serves (the largest captured batch)
+  int k = 0, E = 0, H = 0, I = 0;
+};
+struct MoeLoraShape {
+  int num_slots = 0;
+  int max_rank = 0;  // over both halves and all slots, <= 128
+};
+
+// Scratch of one MoE layer call (reusable by every layer: layers run one after the other).
+struct MoeWorkspace {
+  int32_t* counters = nullptr;  // [kMoeNumCounters]
+  int32_t* sorted = nullptr;    // [P]           P = max_tokens * k
+  MoeTile* tiles = nullptr;     // [max_tiles]   sized for the smallest GEMM tile (8 rows)
+  int max_tiles = 0;
+  int32_t* tile_pairs = nullptr;  // [P + 64 * min(E, P)] each tile's pairs, padded to its rows
+  bf16* act = nullptr;          // [P, I]
+  float* y = nullptr;           // [P, H]
+  // LoRA (null when the workspace was carved without a MoeLoraShape)
+  int32_t* l_sorted = nullptr;  // [P]
+  MoeTile* l_tiles = nullptr;
+  int max_l_tiles = 0;
+  int32_t* t_sorted = nullptr;  // [max_tokens]
+  MoeTile* g_tiles = nullptr;
+  int max_g_tiles = 0;
+  float* u_gu_pair = nullptr;   // [P, ldu]
+  float* u_gu_tok = nullptr;    // [max_tokens, ldu]
+  float* u_d = nullptr;         // [P, ldu]
+  int ldu = 0;
+  bf16* delta_gu = nullptr;     // [P, 2I]
+  bf16* delta_d = nullptr;      // [P, H]
+};
+
+size_t moe_workspace_bytes(const MoeShape& s, const MoeLoraShape* lora);
+// Carves `base` (>= moe_workspace_bytes, 256-byte aligned) into the buffers above.
+MoeWorkspace moe_workspace_carve(void* base, const MoeShape& s, const MoeLoraShape* lora);
+
+// Device pointer tables of one layer's MoeLoraTable.
+struct MoeLoraDevice {
+  int num_slots = 0;
+  int max_rank = 0;
+  MoeLoraFactors gu_a, gu_b, d_a, d_b;  // gu_a.stride == 0 marks a shared gate_up A
+};
+
+struct MoeForwardArgs {
+  int T = 0;
+  const bf16* x = nullptr;  // [T, ldx] hidden states
+  int64_t ldx = 0;
+  // Routing: with `logits` the router runs first (its mode, bias, groups, scaling and renormalize
+  // taken from `router`); otherwise ids/weights are inputs.
+  const float* logits = nullptr;
+  RouterParams router;
+  int32_t* ids = nullptr;      // [T, k]
+  float* weights = nullptr;    // [T, k]
+  // Experts (layouts in moe_gemm.cuh).
+  MoeWeightType wtype = MoeWeightType::kFp8;
+  const void* w_gate_up = nullptr;
+  const float* s_gate_up = nullptr;
+  const void* w_down = nullptr;
+  const float* s_down = nullptr;
+  MoeShape shape;
+  // LoRA (null = base only).
+  const MoeLoraDevice* lora = nullptr;
+  const int32_t* token_slot = nullptr;  // [T]
+  bf16* out = nullptr;                  // [T, ldo]
+  int64_t ldo = 0;
+  // Knobs.
+  bool pdl = true;          // programmatic dependent launch between consecutive kernels
+  bool fuse_route = true;   // route inside moe_align when T is small (<= 8) and E <= 256
+  int tile_override = -1;   // >= 0: force a MoeGemmTile (tests), else moe_gemm_config
+  int stop_after = 0;       // workbench, base only: 1 = after routing+align, 2 = after gate_up, 3 = after down
+  bool lora_fused = false;  // LoRA halves as one moe_lora_fused launch each (else shrink + expand)
+};
+
+struct MoeStreams {
+  cudaStream_t main = nullptr;
+  cudaStream_t side = nullptr;  // null: LoRA runs on main
+  cudaEvent_t ev_ids = nullptr, ev_gu = nullptr, ev_act = nullptr, ev_d = nullptr;  // needed with side
+};
+
+void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStreams& st);
+
+}  // namespace moelora::cuda

@@ -1,0 +1,506 @@
+// Grouped expert GEMMs (see moe_gemm.cuh for the math and the layouts).
+//
+// "Swap AB": the MMA's M side is the weight rows (output features), its N side the tokens of a
+// tile, so a decode tile of 1..8 tokens wastes at most 7/8 of an n8 column block instead of 15/16
+// of an m16 row block. One work item = (tile of <= BT tokens of one expert) x (block of weight
+// rows); gate_up items pair gate rows with the up rows of the same features so SwiGLU happens in
+// the epilogue. Items are ordered so that the tiles of one expert for one row block are adjacent
+// (an expert with two tiles reads its weights from HBM once, from L2 the second time) and are
+// assigned statically to a persistent grid; an item's metadata is loaded one item ahead and the
+// next item's first weight chunks are warmed into L2 halfway through the current one, so a CTA
+// does not stall on dependent latencies between items (run 1 on the H200 lost ~half the
+// bandwidth there).
+//
+// Data movement: every K group (WM warps) streams 64-wide K chunks of its weight rows and of the
+// token tile through a cp.async ring of STAGES stages in shared memory. Decode tiles use 4 K
+// groups of one warp each (4 warps split K, each with a private ring, summed at the end): many
+// small items keep every SM busy even for one token. The prefill tile uses one K group of 4 warps
+// that split the weight rows and share the token tile.
+//
+// Fragment mapping (thread lane = 4 g + c): the MMA's k slots {2c, 2c+1, 2c+8, 2c+9} of step s
+// carry real k = 16c + 4s + {0, 1, 2, 3} of the 64-wide chunk. So a thread needs 16 contiguous
+// bytes of an FP8 weight row (or 32 of bf16) and 32 contiguous bytes of a token row per chunk:
+// plain 16-byte shared loads, conflict-free with the row strides below, no ldmatrix.
+#include <algorithm>
+#include <mutex>
+
+#include "backends/cuda/kernels/moe_align.cuh"
+#include "backends/cuda/kernels/moe_gemm.cuh"
+
+namespace moelora::cuda {
+
+// Host helpers are plain functions, not lambdas: with --expt-relaxed-constexpr nvcc treats the
+// (implicitly constexpr) lambdas as device functions and chokes on fmt inside the checks.
+static int query_num_sms() {
+  int dev = 0, sms = 0;
+  MOELORA_CUDA_CHECK(cudaGetDevice(&dev));
+  MOELORA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
+int moe_num_sms() {
+  static const int n = query_num_sms();
+  return n;
+}
+
+namespace {
+
+using namespace moe_detail;
+
+template <MoeWeightType WT_, int MT_, int NT_, int WM_, int WK_, int STAGES_, bool GATE_UP_>
+struct Cfg {
+  static constexpr bool kFp8 = WT_ == MoeWeightType::kFp8;
+  static constexpr int MT = MT_, NT = NT_, WM = WM_, WK = WK_, STAGES = STAGES_;
+  static constexpr bool kGateUp = GATE_UP_;
+  static constexpr int kThreads = WM * WK * 32;
+  static constexpr int kRows = WM * MT * 16;       // weight rows per item
+  static constexpr int kBT = NT * 8;               // tokens per tile
+  static constexpr int kESize = kFp8 ? 1 : 2;      // weight bytes per element
+  static constexpr int kWPieces = kFp8 ? 4 : 8;    // 16-byte pieces of a 64-wide weight row chunk
+  static constexpr int kWRow = kFp8 ? 64 : 144;    // smem bytes per weight row (bf16: +16 pad)
+  static constexpr int kXRow = 144;                // smem bytes per token row (+16 pad)
+  static constexpr int kStage = kRows * kWRow + kBT * kXRow;
+  static constexpr int kGroupThreads = WM * 32;
+  static constexpr int kWPer = kRows * kWPieces / kGroupThreads;  // weight pieces per thread per chunk
+  static constexpr int kXPer = kBT * 8 / kGroupThreads;          // token pieces per thread per chunk
+  static constexpr int kRedStride = kRows + 4;                    // floats; conflict-free fragment stores
+  static constexpr int kPipeBytes = WK * STAGES * kStage;
+  static constexpr int kRedBytes = WK * kBT * kRedStride * 4;
+  static constexpr int kSmem = kPipeBytes > kRedBytes ? kPipeBytes : kRedBytes;
+  static_assert(kRows * kWPieces % kGroupThreads == 0 && kBT * 8 % kGroupThreads == 0, "piece split");
+  static_assert(kBT <= kThreads, "one thread per tile row fills the row tables");
+  static_assert(!GATE_UP_ || (WM * MT) % 2 == 0, "gate and up halves must be whole m16 tiles");
+};
+
+__device__ __forceinline__ void group_sync(int wk, int group_threads) {
+  if (group_threads == 32)
+    __syncwarp();
+  else
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + wk), "r"(group_threads) : "memory");
+}
+
+template <class C>
+__global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_constant__ MoeGemmParams p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ int s_xrow[C::kBT];
+  __shared__ int s_pair[C::kBT];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp % C::WM, wk = warp / C::WM;  // K group wk = WM consecutive warps
+  const int gtid = tid - wk * C::kGroupThreads;
+  const int g = lane >> 2, c4 = lane & 3;
+
+  const int K = C::kGateUp ? p.H : p.I;
+  const int rows_per_expert = C::kGateUp ? 2 * p.I : p.H;
+  const int half = C::kRows / 2;
+  const int nb_step = C::kGateUp ? half : C::kRows;  // features (gate_up) or rows (down) per item
+  const int nblocks = (C::kGateUp ? p.I : p.H) / nb_step;
+  const int nchunks = K / 64;
+  const int64_t w_row_bytes = static_cast<int64_t>(K) * C::kESize;
+  const int sblocks_i = (p.I + 127) / 128;
+  const int scale_rows_per_expert = C::kGateUp ? 2 * sblocks_i : (p.H + 127) / 128;
+  const int scale_cols = (K + 127) / 128;
+  const int my_chunks = wk < nchunks ? (nchunks - wk + C::WK - 1) / C::WK : 0;
+
+  // Expert-local weight row of local row lr of an item starting at feature/row n0.
+  auto wrow = [&](int n0, int lr) {
+    if (!C::kGateUp) return n0 + lr;
+    return lr < half ? n0 + lr : p.I + n0 + (lr - half);
+  };
+  auto expert_base = [&](int e) {
+    return static_cast<const uint8_t*>(p.w) + static_cast<int64_t>(e) * rows_per_expert * w_row_bytes;
+  };
+
+  // Items are (row block, tile) with the tiles of one row block adjacent, assigned statically
+  // (item = blockIdx.x + i * gridDim.x): all items move the same weight bytes, so static striding
+  // balances as well as a work queue without its latency. Each item's metadata (expert and the
+  // tile's padded row list written by moe_align) is loaded one item ahead into registers.
+  if (!p.early_prefetch) pdl_wait();
+  const int num_tiles = p.counters[kMoeCntTiles];
+  const int num_items = num_tiles * nblocks;
+  int item = blockIdx.x;
+  int pf_expert = 0, pf_pair = -1;
+  if (item < num_items) {
+    pf_expert = p.tiles[item % num_tiles].expert;
+    if (tid < C::kBT) pf_pair = p.tile_pairs[(item % num_tiles) * C::kBT + tid];
+  }
+  if (p.early_prefetch) {
+    // Everything up to moe_align is complete (see moe_common.cuh): warm L2 with this CTA's first
+    // weight block while the previous GEMM finishes, then wait for its output.
+    if (item < num_items) {
+      const uint8_t* wexp = expert_base(pf_expert);
+      const int n0 = (item / num_tiles) * nb_step;
+      const int lines = static_cast<int>((w_row_bytes + 127) / 128);
+      for (int l = tid; l < C::kRows * lines; l += C::kThreads)
+        prefetch_l2(wexp + wrow(n0, l / lines) * w_row_bytes + (l % lines) * 128);
+    }
+    pdl_wait();
+  }
+  pdl_trigger();
+
+  uint8_t* ring = smem + wk * C::STAGES * C::kStage;
+  for (; item < num_items; item += gridDim.x) {
+    const int expert = pf_expert;
+    const int n0 = (item / num_tiles) * nb_step;
+    if (tid < C::kBT) {
+      s_pair[tid] = pf_pair;
+      s_xrow[tid] = pf_pair < 0 ? -1 : (C::kGateUp ? pf_pair / p.top_k : pf_pair);
+    }
+    const int next = item + gridDim.x;
+    if (next < num_items) {  // consumed at the next item: the loads fly during this one
+      pf_expert = p.tiles[next % num_tiles].expert;
+      if (tid < C::kBT) pf_pair = p.tile_pairs[(next % num_tiles) * C::kBT + tid];
+    }
+    __syncthreads();
+    // Warms L2 with the first chunks this warp will stream for the next item (called mid-item,
+    // once pf_expert has arrived), so the next item's pipeline starts on L2 hits.
+    auto prefetch_next = [&]() {
+      if (next >= num_items) return;
+      const uint8_t* wn = expert_base(pf_expert);
+      const int nn0 = (next / num_tiles) * nb_step;
+      const int npf = min(my_chunks, C::STAGES - 1);
+      for (int q = lane; q < C::MT * 16 * npf; q += 32) {
+        const int r = q / npf, i = q % npf;
+        prefetch_l2(wn + wrow(nn0, (wm * C::MT) * 16 + r) * w_row_bytes + (wk + i * C::WK) * 64 * C::kESize);
+      }
+    };
+
+    // Per-thread source/destination of the cp.async pieces (chunk offset added per chunk).
+    const uint8_t* wexp = expert_base(expert);
+    const uint8_t* wsrc[C::kWPer];
+    int wdst[C::kWPer];
+#pragma unroll
+    for (int q = 0; q < C::kWPer; ++q) {
+      const int qi = gtid + q * C::kGroupThreads, row = qi / C::kWPieces, pc = qi % C::kWPieces;
+      wsrc[q] = wexp + wrow(n0, row) * w_row_bytes + pc * 16;
+      wdst[q] = row * C::kWRow + pc * 16;
+    }
+    const bf16* xsrc[C::kXPer];
+    int xdst[C::kXPer];
+#pragma unroll
+    for (int q = 0; q < C::kXPer; ++q) {
+      const int qi = gtid + q * C::kGroupThreads, m = qi / 8, pc = qi % 8;
+      xsrc[q] = s_xrow[m] >= 0 ? p.x + static_cast<int64_t>(s_xrow[m]) * p.ldx + pc * 8 : nullptr;
+      xdst[q] = C::kRows * C::kWRow + m * C::kXRow + pc * 16;
+    }
+    // Scale rows of this warp's m16 tiles (a tile never straddles a 128-row block or gate/up).
+    const float* sptr[C::MT];
+#pragma unroll
+    for (int mt = 0; mt < C::MT; ++mt) {
+      const int r = wrow(n0, (wm * C::MT + mt) * 16);
+      int srow = r / 128;
+      if (C::kGateUp && r >= p.I) srow = sblocks_i + (r - p.I) / 128;
+      sptr[mt] = C::kFp8 ? p.w_scale + (static_cast<int64_t>(expert) * scale_rows_per_expert + srow) * scale_cols
+                         : nullptr;
+    }
+
+    float acc[C::MT][C::NT][4];
+#pragma unroll
+    for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+
+    auto issue = [&](int i) {
+      const int c = wk + i * C::WK;
+      uint8_t* sb = ring + (i % C::STAGES) * C::kStage;
+#pragma unroll
+      for (int q = 0; q < C::kWPer; ++q) cp_async16(sb + wdst[q], wsrc[q] + c * 64 * C::kESize, true);
+#pragma unroll
+      for (int q = 0; q < C::kXPer; ++q)
+        cp_async16(sb + xdst[q], xsrc[q] ? xsrc[q] + c * 64 : p.x, xsrc[q] != nullptr);
+    };
+
+#pragma unroll
+    for (int i = 0; i < C::STAGES - 1; ++i) {
+      if (i < my_chunks) issue(i);
+      cp_async_commit();
+    }
+    for (int i = 0; i < my_chunks; ++i) {
+      cp_async_wait<C::STAGES - 2>();
+      group_sync(wk, C::kGroupThreads);
+      if (i + C::STAGES - 1 < my_chunks) issue(i + C::STAGES - 1);
+      cp_async_commit();
+      if (i == my_chunks / 2) prefetch_next();
+
+      const int c = wk + i * C::WK;
+      const uint8_t* sb = ring + (i % C::STAGES) * C::kStage;
+      float sc[C::MT];
+      if constexpr (C::kFp8) {
+#pragma unroll
+        for (int mt = 0; mt < C::MT; ++mt) sc[mt] = __ldg(sptr[mt] + (c >> 1));
+      }
+      // Weight fragments: words per row (fp8: 4 words = 16 k; bf16: 8 words = 16 k).
+      constexpr int kWW = C::kFp8 ? 4 : 8;
+      uint32_t wg[C::MT][kWW], wg8[C::MT][kWW];
+#pragma unroll
+      for (int mt = 0; mt < C::MT; ++mt) {
+        const uint8_t* r0 = sb + ((wm * C::MT + mt) * 16 + g) * C::kWRow + c4 * 16 * C::kESize;
+        const uint8_t* r8 = r0 + 8 * C::kWRow;
+#pragma unroll
+        for (int v = 0; v < kWW / 4; ++v) {
+          const uint4 a = *reinterpret_cast<const uint4*>(r0 + v * 16);
+          const uint4 b = *reinterpret_cast<const uint4*>(r8 + v * 16);
+          wg[mt][4 * v + 0] = a.x; wg[mt][4 * v + 1] = a.y; wg[mt][4 * v + 2] = a.z; wg[mt][4 * v + 3] = a.w;
+          wg8[mt][4 * v + 0] = b.x; wg8[mt][4 * v + 1] = b.y; wg8[mt][4 * v + 2] = b.z; wg8[mt][4 * v + 3] = b.w;
+        }
+      }
+      float part[C::MT][C::NT][4];
+#pragma unroll
+      for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+          for (int i2 = 0; i2 < 4; ++i2) part[mt][nt][i2] = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < C::NT; ++nt) {
+        const uint8_t* xr = sb + C::kRows * C::kWRow + (nt * 8 + g) * C::kXRow + c4 * 32;
+        const uint4 xa = *reinterpret_cast<const uint4*>(xr);
+        const uint4 xb = *reinterpret_cast<const uint4*>(xr + 16);
+        const uint32_t xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+#pragma unroll
+          for (int mt = 0; mt < C::MT; ++mt) {
+            uint32_t a0, a1, a2, a3;
+            if constexpr (C::kFp8) {
+              fp8x4_to_bf16x4(wg[mt][s], a0, a2);
+              fp8x4_to_bf16x4(wg8[mt][s], a1, a3);
+              mma_bf16_16816(part[mt][nt], a0, a1, a2, a3, xw[2 * s], xw[2 * s + 1]);
+            } else {
+              a0 = wg[mt][2 * s];
+              a2 = wg[mt][2 * s + 1];
+              a1 = wg8[mt][2 * s];
+              a3 = wg8[mt][2 * s + 1];
+              mma_bf16_16816(acc[mt][nt], a0, a1, a2, a3, xw[2 * s], xw[2 * s + 1]);
+            }
+          }
+        }
+      }
+      if constexpr (C::kFp8) {
+#pragma unroll
+        for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+            for (int i2 = 0; i2 < 4; ++i2) acc[mt][nt][i2] = fmaf(part[mt][nt][i2], sc[mt], acc[mt][nt][i2]);
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every group is done with its ring: reuse shared memory for the K reduction
+
+    float* red = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < C::NT; ++nt) {
+        const int lr = (wm * C::MT + mt) * 16 + g, m = nt * 8 + 2 * c4;
+        float* r = red + (wk * C::kBT + m) * C::kRedStride + lr;
+        r[0] = acc[mt][nt][0];
+        r[C::kRedStride] = acc[mt][nt][1];
+        r[8] = acc[mt][nt][2];
+        r[C::kRedStride + 8] = acc[mt][nt][3];
+      }
+    __syncthreads();
+    if constexpr (C::kGateUp) {
+      for (int idx = tid; idx < half * C::kBT; idx += C::kThreads) {
+        const int f = idx % half, m = idx / half;
+        if (s_pair[m] < 0) continue;  // tile padding
+        float gs = 0.0f, us = 0.0f;
+#pragma unroll
+        for (int w = 0; w < C::WK; ++w) {
+          gs += red[(w * C::kBT + m) * C::kRedStride + f];
+          us += red[(w * C::kBT + m) * C::kRedStride + half + f];
+        }
+        const int64_t pr = s_pair[m];
+        if (p.lora_delta) {
+          const bf16* d = p.lora_delta + pr * 2 * p.I + n0 + f;
+          gs += __bfloat162float(d[0]);
+          us += __bfloat162float(d[p.I]);
+        }
+        p.act[pr * p.I + n0 + f] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
+      }
+    } else {
+      for (int idx = tid; idx < C::kRows * C::kBT; idx += C::kThreads) {
+        const int r = idx % C::kRows, m = idx / C::kRows;
+        if (s_pair[m] < 0) continue;  // tile padding
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < C::WK; ++w) s += red[(w * C::kBT + m) * C::kRedStride + r];
+        p.y[static_cast<int64_t>(s_pair[m]) * p.H + n0 + r] = s;
+      }
+    }
+    __syncthreads();  // shared memory and row tables are rewritten by the next item
+  }
+}
+
+// ---- Variants. STAGES: enough 64-wide chunks in flight per SM to cover HBM latency (bf16 rows
+// are twice the bytes, so fewer stages).
+template <MoeWeightType W, MoeGemmTile T, bool GU>
+struct Variant;
+#define MOE_VARIANT(TILE, MT, NT, WM, WK, S8, S16)                                        \
+  template <bool GU>                                                                    \
+  struct Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, GU> {                          \
+    using C = Cfg<MoeWeightType::kFp8, MT, NT, WM, WK, S8, GU>;                         \
+  };                                                                                    \
+  template <bool GU>                                                                    \
+  struct Variant<MoeWeightType::kBf16, MoeGemmTile::TILE, GU> {                         \
+    using C = Cfg<MoeWeightType::kBf16, MT, NT, WM, WK, S16, GU>;                       \
+  };
+// Decode: 4 stages (3 chunks ahead per warp) keep 4 CTAs of the 8-row tile on an SM, whose
+// pipelines cover each other's item boundaries.
+MOE_VARIANT(kDecode8, 2, 1, 1, 4, 4, 3)
+MOE_VARIANT(kDecode16, 2, 2, 1, 4, 4, 3)
+MOE_VARIANT(kDecode32, 2, 4, 1, 4, 3, 3)
+MOE_VARIANT(kPrefill64, 2, 8, 4, 1, 4, 3)
+#undef MOE_VARIANT
+
+struct KernelInfo {
+  int occupancy = 0;  // CTAs per SM
+};
+
+template <class C>
+KernelInfo make_kernel_info() {
+  KernelInfo k;
+  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
+  MOELORA_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k.occupancy, moe_gemm_kernel<C>, C::kThreads, C::kSmem));
+  MOELORA_CHECK(k.occupancy >= 1);
+  return k;
+}
+
+template <class C>
+const KernelInfo& kernel_info() {
+  static const KernelInfo info = make_kernel_info<C>();
+  return info;
+}
+
+template <class C>
+void launch_variant(const MoeGemmParams& p, cudaStream_t stream) {
+  const KernelInfo& info = kernel_info<C>();
+  const int nb = C::kGateUp ? p.I / (C::kRows / 2) : p.H / C::kRows;
+  MOELORA_CHECK((C::kGateUp ? p.I % (C::kRows / 2) : p.H % C::kRows) == 0);  // tile must divide the output
+  const int64_t max_items = static_cast<int64_t>(p.max_tiles) * nb;
+  const int grid = static_cast<int>(std::min<int64_t>(max_items, static_cast<int64_t>(moe_num_sms()) * info.occupancy));
+  if (grid <= 0) return;
+  moe_launch(moe_gemm_kernel<C>, dim3(grid), dim3(C::kThreads), C::kSmem, stream, p.pdl, p);
+}
+
+template <bool GU>
+void dispatch(const MoeGemmParams& p, cudaStream_t stream) {
+  MOELORA_CHECK(p.H % 64 == 0 && p.I % 64 == 0 && p.E >= 1 && p.w && p.x && p.tile_pairs && p.tiles && p.counters);
+  MOELORA_CHECK(p.ldx % 8 == 0);  // 16-byte activation rows for cp.async
+  MOELORA_CHECK(p.align_tile_rows == moe_gemm_tile_rows(p.tile));  // tile_pairs is [tiles, rows]
+  MOELORA_CHECK(p.wtype == MoeWeightType::kBf16 || p.w_scale);
+  MOELORA_CHECK(GU ? (p.act && p.top_k >= 1) : (p.y != nullptr));
+  MOELORA_CHECK(!GU || !p.early_prefetch);
+  const bool f8 = p.wtype == MoeWeightType::kFp8;
+  switch (p.tile) {
+#define MOE_CASE(TILE)                                                                      \
+  case MoeGemmTile::TILE:                                                                   \
+    if (f8)                                                                                 \
+      launch_variant<typename Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, GU>::C>(p, stream); \
+    else                                                                                    \
+      launch_variant<typename Variant<MoeWeightType::kBf16, MoeGemmTile::TILE, GU>::C>(p, stream); \
+    break;
+    MOE_CASE(kDecode8)
+    MOE_CASE(kDecode16)
+    MOE_CASE(kDecode32)
+    MOE_CASE(kPrefill64)
+#undef MOE_CASE
+  }
+}
+
+// ---- Weighted sum over k (deterministic: fixed order, no atomics).
+constexpr int kReduceThreads = 256;
+
+__global__ void __launch_bounds__(kReduceThreads) moe_reduce_kernel(const __grid_constant__ MoeReduceParams p) {
+  pdl_wait();
+  pdl_trigger();
+  const int H4 = p.H / 4;
+  const int64_t total = static_cast<int64_t>(p.T) * H4;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int t = static_cast<int>(idx / H4), h = static_cast<int>(idx % H4) * 4;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    for (int j = 0; j < p.k; ++j) {
+      const int64_t pr = static_cast<int64_t>(t) * p.k + j;
+      const int e = p.ids[pr];
+      if (e < 0 || e >= p.E) continue;
+      const float w = p.weights[pr];
+      float4 v = *reinterpret_cast<const float4*>(p.y + pr * p.H + h);
+      if (p.lora_delta) {
+        const uint2 d = *reinterpret_cast<const uint2*>(p.lora_delta + pr * p.H + h);
+        v.x += bf16_lo(d.x);
+        v.y += bf16_hi(d.x);
+        v.z += bf16_lo(d.y);
+        v.w += bf16_hi(d.y);
+      }
+      a0 = fmaf(w, v.x, a0);
+      a1 = fmaf(w, v.y, a1);
+      a2 = fmaf(w, v.z, a2);
+      a3 = fmaf(w, v.w, a3);
+    }
+    uint2 o;
+    o.x = pack_bf16x2(a0, a1);
+    o.y = pack_bf16x2(a2, a3);
+    *reinterpret_cast<uint2*>(p.out + static_cast<int64_t>(t) * p.ldo + h) = o;
+  }
+}
+
+}  // namespace
+
+int moe_gemm_tile_rows(MoeGemmTile t) {
+  switch (t) {
+    case MoeGemmTile::kDecode8: return 8;
+    case MoeGemmTile::kDecode16: return 16;
+    case MoeGemmTile::kDecode32: return 32;
+    case MoeGemmTile::kPrefill64: return 64;
+  }
+  return 8;
+}
+
+// Thresholds from the H200 tile sweep (bench/RESULTS.md, Qwen3-30B-A3B shapes, 8 of 128 experts):
+// 8-row tiles win up to 4 tokens per expert (T <= 64), 16-row tiles at 8 and 16 (T = 128, 256: 16
+// beat 32 by 7 % at T = 256 although most experts then need two tiles: the second read hits L2
+// and 3 CTAs fit an SM instead of 2). Above that the 32- and 64-row tiles amortise the dequant.
+MoeGemmTile moe_gemm_config(int T, int k, int E, int H, int I) {
+  const double per_expert = static_cast<double>(T) * k / std::max(E, 1);
+  if (per_expert <= 5.0) return MoeGemmTile::kDecode8;
+  if (per_expert <= 24.0) return MoeGemmTile::kDecode16;
+  if (per_expert <= 40.0 || I % 64 != 0 || H % 128 != 0) return MoeGemmTile::kDecode32;
+  return MoeGemmTile::kPrefill64;
+}
+
+void moe_gate_up(const MoeGemmParams& p, cudaStream_t stream) { dispatch<true>(p, stream); }
+void moe_down(const MoeGemmParams& p, cudaStream_t stream) { dispatch<false>(p, stream); }
+
+void moe_reduce(const MoeReduceParams& p, cudaStream_t stream) {
+  MOELORA_CHECK(p.H % 4 == 0 && p.ldo % 4 == 0 && p.k >= 1 && p.y && p.ids && p.weights && p.out);
+  MOELORA_CHECK((reinterpret_cast<uintptr_t>(p.out) & 7) == 0);
+  if (p.T == 0) return;
+  const int64_t total = static_cast<int64_t>(p.T) * (p.H / 4);
+  const int grid = static_cast<int>(std::min<int64_t>((total + kReduceThreads - 1) / kReduceThreads, moe_num_sms() * 8));
+  moe_launch(moe_reduce_kernel, dim3(grid), dim3(kReduceThreads), 0, stream, p.pdl, p);
+}
+
+static void init_all_variants() {
+#define MOE_INIT(TILE)                                                      \
+  kernel_info<Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, true>::C>();  \
+  kernel_info<Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, false>::C>(); \
+  kernel_info<Variant<MoeWeightType::kBf16, MoeGemmTile::TILE, true>::C>(); \
+  kernel_info<Variant<MoeWeightType::kBf16, MoeGemmTile::TILE, false>::C>();
+  MOE_INIT(kDecode8)
+  MOE_INIT(kDecode16)
+  MOE_INIT(kDecode32)
+  MOE_INIT(kPrefill64)
+#undef MOE_INIT
+}
+
+void moe_gemm_init() {
+  static std::once_flag once;
+  std::call_once(once, init_all_variants);
+}
+
+}  // namespace moelora::cuda

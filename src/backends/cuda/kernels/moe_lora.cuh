@@ -1,0 +1,97 @@
+// MoE LoRA as "virtual experts": the (adapter slot, expert) groups of moe_align's LoRA grouping
+// each read their A and B once (the bytes LoRA must move), with mixed ranks 1..128 and slots
+// -1 / rank 0 untouched.
+//   shrink: u[row, j] = x[row] . A[j]          A = a_ptr[s] + e * a_stride[s], [r, K]   (f32 out)
+//   expand: out[p, o] = sum_j u[p, j] B[o, j]  B = b_ptr[s] + e * b_stride[s], [N, r]   (bf16 out)
+// The expand writes EVERY pair's row of `out`: LoRA pairs get their delta, all other pairs
+// (slot -1, rank 0, "none" group) get zeros, so consumers add the buffer unconditionally.
+//
+// gate_up: shrink over g_tiles (per-expert-A pairs: x row p / top_k -> u_pair[p]; shared-A
+// (a_stride 0) slots: token tiles, x row t -> u_tok[t], once per token instead of k times),
+// expand over l_tiles into the pre-activation delta [P, 2I] that moe_gate_up adds before SwiGLU
+// (no routing weight). down: shrink over l_tiles (x = act, row p -> u_pair[p]), expand into the
+// delta [P, H] that moe_reduce adds before the routing weight. Shared B (b_stride 0) needs
+// nothing special: every expert group reads the same B (from L2 after the first).
+//
+// Alignment: factor base pointers 16-byte aligned, A strides multiples of 8 elements; B rows are
+// read with 16-byte loads when r % 8 == 0 and B is 16-byte aligned, element by element otherwise.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backends/cuda/kernels/moe_common.cuh"
+
+namespace moelora::cuda {
+
+// Per-slot factor tables of one projection half (device copies of MoeLoraTable columns).
+struct MoeLoraFactors {
+  const int64_t* ptr = nullptr;     // [num_slots] element address (bf16) or 0
+  const int64_t* stride = nullptr;  // [num_slots] elements between experts (0 = shared)
+  const int32_t* rank = nullptr;    // [num_slots]
+};
+
+struct MoeLoraShrinkParams {
+  const bf16* x = nullptr;         // gate_up: hidden [T, K]; down: act [P, K]
+  int64_t ldx = 0;
+  int K = 0;
+  int x_row_div = 1;               // pair tiles read x row p / x_row_div (gate_up: top_k; down: 1)
+  const MoeTile* tiles = nullptr;  // gate_up: g_tiles; down: l_tiles
+  const int32_t* num_tiles = nullptr;
+  int max_tiles = 0;
+  const int32_t* sorted_pairs = nullptr;   // l_sorted
+  const int32_t* sorted_tokens = nullptr;  // t_sorted (token tiles, expert == -1)
+  MoeLoraFactors a;
+  int num_slots = 0;
+  int max_rank = 0;                // max rank over slots, <= ldu
+  float* u_pair = nullptr;         // [P, ldu]
+  float* u_tok = nullptr;          // [T, ldu] (gate_up with shared-A slots)
+  int ldu = 0;
+  bool pdl = false;
+};
+void moe_lora_shrink(const MoeLoraShrinkParams& p, cudaStream_t stream);
+
+struct MoeLoraExpandParams {
+  const float* u_pair = nullptr;
+  const float* u_tok = nullptr;
+  int ldu = 0;
+  int top_k = 1;
+  const int64_t* a_stride = nullptr;  // gate_up: a slot with a_stride 0 reads u_tok[p / top_k]; down: null
+  const MoeTile* tiles = nullptr;     // l_tiles (incl. the "none" group, slot -1)
+  const int32_t* num_tiles = nullptr;
+  int max_tiles = 0;
+  const int32_t* sorted_pairs = nullptr;
+  MoeLoraFactors b;
+  int num_slots = 0;
+  int N = 0;                          // output width (gate_up 2I, down H), even
+  bf16* out = nullptr;                // [P, N]
+  bool pdl = false;
+};
+void moe_lora_expand(const MoeLoraExpandParams& p, cudaStream_t stream);
+
+// shrink + expand in one launch over l_tiles (one CTA per (tile, 512 output columns), u kept in
+// shared memory). Same outputs as moe_lora_shrink + moe_lora_expand; the shrink runs per pair
+// also for shared-A slots (A then comes from L2 for every expert group: same HBM bytes, more L2
+// reads) — the two-kernel path's once-per-token shrink is the one to use when that matters
+// (prefill). Half the launches and no u round trip through HBM: meant for decode.
+struct MoeLoraFusedParams {
+  const bf16* x = nullptr;  // gate_up: hidden [T, K] (x_row_div = top_k); down: act [P, K] (x_row_div = 1)
+  int64_t ldx = 0;
+  int K = 0;
+  int x_row_div = 1;
+  const MoeTile* tiles = nullptr;  // l_tiles
+  const int32_t* num_tiles = nullptr;
+  int max_tiles = 0;
+  const int32_t* sorted_pairs = nullptr;  // l_sorted
+  MoeLoraFactors a, b;                    // ranks from a.rank (the half's rank array)
+  int num_slots = 0;
+  int N = 0;
+  bf16* out = nullptr;                    // [P, N], every row written
+  bool pdl = false;
+};
+void moe_lora_fused(const MoeLoraFusedParams& p, cudaStream_t stream);
+
+constexpr int kMoeLoraMaxRank = 128;
+
+}  // namespace moelora::cuda

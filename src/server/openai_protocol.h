@@ -1,0 +1,93 @@
+// OpenAI-compatible request parsing: JSON bodies of /v1/completions and /v1/chat/completions
+// become native structs, every field checked for type and range with an error that names it
+// (vLLM's conventions, its extensions included: top_k, min_p, stop_token_ids, ignore_eos,
+// include_stop_str_in_output, skip_special_tokens, return_token_ids; sglang's lora_path).
+// Unknown fields are ignored, as vLLM does; fields moelora cannot honour (penalties, logit_bias,
+// tools, best_of > n...) are refused rather than silently dropped.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "io/json_util.h"
+#include "runtime/engine.h"
+#include "server/api_error.h"
+
+namespace moelora::server {
+
+struct ChatMessage {
+  std::string role;     // system, user, assistant, tool, developer
+  std::string content;  // text parts joined
+};
+
+// A prompt as given: text, or token ids.
+struct PromptInput {
+  bool is_ids = false;
+  std::string text;
+  std::vector<int32_t> ids;
+};
+
+// Fields shared by completions and chat completions.
+struct GenerationOptions {
+  std::string model;                     // as sent ("" = absent: the base model)
+  std::optional<std::string> lora_path;  // sglang: the adapter's name
+  SamplingParams sampling;               // max_tokens resolved by the server when not given
+  bool max_tokens_given = false;
+  int n = 1;
+  bool stream = false;
+  bool include_usage = false;            // stream_options.include_usage
+  bool continuous_usage_stats = false;   // stream_options.continuous_usage_stats (vLLM)
+  std::vector<std::string> stop;
+  bool include_stop_str_in_output = false;
+  bool skip_special_tokens = true;
+  bool return_token_ids = false;
+  bool want_logprobs = false;            // report the chosen token's logprob
+  int top_logprobs = 0;                  // alternatives per token
+};
+
+struct CompletionRequest {
+  GenerationOptions opts;
+  std::vector<PromptInput> prompts;  // a batch: choices are indexed prompt * n + i
+  bool echo = false;
+};
+
+struct ChatCompletionRequest {
+  GenerationOptions opts;
+  std::vector<ChatMessage> messages;
+  bool add_generation_prompt = true;
+  bool continue_final_message = false;
+};
+
+// Limits the parser enforces.
+struct ProtocolLimits {
+  int max_n = 64;
+  int max_stop_strings = 64;
+  int max_prompts = 64;  // prompts in one completions request
+};
+
+// Each returns nullopt on success (filling `out`) or the error to answer.
+std::optional<ApiError> parse_completion_request(const Json& body, const ProtocolLimits& limits,
+                                                 CompletionRequest* out);
+std::optional<ApiError> parse_chat_completion_request(const Json& body, const ProtocolLimits& limits,
+                                                      ChatCompletionRequest* out);
+
+// Chat messages alone (also used by /tokenize).
+std::optional<ApiError> parse_chat_messages(const Json& messages, std::vector<ChatMessage>* out);
+
+// The body of a POST as a JSON object, or the 400 to answer.
+std::optional<ApiError> parse_json_body(const std::string& body, Json* out);
+
+// Typed optional fields with errors that name the parameter.
+std::optional<ApiError> read_opt_bool(const Json& obj, const char* key, std::optional<bool>* out);
+std::optional<ApiError> read_opt_int(const Json& obj, const char* key, std::optional<int64_t>* out);
+std::optional<ApiError> read_opt_number(const Json& obj, const char* key, std::optional<double>* out);
+std::optional<ApiError> read_opt_string(const Json& obj, const char* key, std::optional<std::string>* out);
+std::optional<ApiError> read_token_ids(const Json& value, const char* param, std::vector<int32_t>* out);
+
+// vLLM's context-length errors (clients parse this wording).
+ApiError context_length_error(int max_model_len, int prompt_tokens, int max_tokens);
+ApiError prompt_too_long_error(int max_model_len, int prompt_tokens);
+
+}  // namespace moelora::server

@@ -1,0 +1,287 @@
+// Op suite: elementwise kernels (elementwise.cuh) and FP8 activation quantisation (fp8_quant.cuh)
+// against the CPU reference. Inputs are bf16 values the CPU sees exactly.
+#include <cstring>
+
+#include "backends/cuda/kernels/elementwise.cuh"
+#include "backends/cuda/kernels/fp8_quant.cuh"
+#include "tests/ops/dense_test_util.h"
+
+namespace moelora::ops_test {
+namespace {
+
+// One bf16 rounding of each output (relative 2^-9 = 2.0e-3 at worst per element) on top of f32 vs
+// f64 arithmetic differences (~1e-7): row-relative L2 errors stay under 3e-3; 4e-3 leaves margin
+// and still catches any wrong element (an index or pairing bug moves a row by O(1)).
+constexpr double kOneRounding = 4e-3;
+
+struct EltCase {
+  std::string op;
+  int T = 1, cols = 128, group = 128, ld_pad = 0;
+  int heads = 1, stride = 0, rot_off = 0, rot = 0;
+  bool inter = false;
+  std::string name() const {
+    std::string s = op + "(T=" + std::to_string(T) + ",cols=" + std::to_string(cols);
+    if (op == "RMSNORM") s += ",group=" + std::to_string(group);
+    if (op == "ROPE")
+      s += ",heads=" + std::to_string(heads) + ",stride=" + std::to_string(stride) + ",off=" + std::to_string(rot_off) +
+           ",rot=" + std::to_string(rot) + (inter ? ",interleaved" : ",neox");
+    if (ld_pad) s += ",ld+" + std::to_string(ld_pad);
+    return s + ")";
+  }
+};
+
+void PrintTo(const EltCase& c, std::ostream* os) { *os << c.name(); }
+
+class Elementwise : public ::testing::TestWithParam<EltCase> {};
+
+void run_case(const EltCase& c) {
+  Rng rng(seed_of(c.name()));
+  cudaStream_t st = nullptr;
+  const int ld = c.cols + c.ld_pad;
+  if (c.op == "EMBED") {
+    const int vocab = 300;
+    DevMat table(vocab, c.cols);
+    table.randomize(rng);
+    std::vector<int32_t> ids(c.T);
+    for (int t = 0; t < c.T; ++t) ids[t] = rng.integer(0, vocab - 1);
+    if (c.T > 2) ids[1] = vocab + 5;  // out of range: a zero row, no out-of-bounds read
+    DeviceArray<int32_t> dids(std::max<size_t>(ids.size(), 1));
+    dids.upload(ids);
+    DevMat out(c.T, c.cols, ld);
+    cuda::EmbedParams p{table.ptr(), vocab, c.cols, dids.get(), c.T, out.ptr(), ld};
+    cuda::launch_embed(p, st);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> ref(c.T * static_cast<size_t>(c.cols), 0.0f);
+    for (int t = 0; t < c.T; ++t)
+      if (ids[t] < vocab) std::memcpy(&ref[t * c.cols], &table.host[ids[t] * c.cols], c.cols * sizeof(float));
+    EXPECT_EQ(out.download(), ref);  // a copy: exact
+    EXPECT_TRUE(out.padding_intact());
+  } else if (c.op == "RMSNORM" || c.op == "RMSNORM_INPLACE") {
+    DevMat x(c.T, c.cols, ld), w(1, c.group);
+    x.randomize(rng, 2.0f);
+    w.randomize(rng);
+    DevMat out(c.T, c.cols, ld);
+    const bool inplace = c.op == "RMSNORM_INPLACE";
+    cuda::RmsNormParams p{x.ptr(), ld, w.ptr(), c.group, c.cols, c.T, 1e-6f, inplace ? x.ptr() : out.ptr(), ld};
+    cuda::launch_rmsnorm(p, st);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> ref(x.host.size());
+    cpu::rmsnorm(x.host.data(), c.cols, c.T, c.cols, w.host.data(), c.group, 1e-6f, ref.data(), c.cols);
+    const DevMat& o = inplace ? x : out;
+    EXPECT_CLOSE_ROWS(o.download(), ref, c.T, c.cols, kOneRounding);
+    EXPECT_TRUE(o.padding_intact());
+  } else if (c.op == "ROPE") {
+    const int cols = c.heads * c.stride;
+    DevMat x(c.T, cols, cols + c.ld_pad);
+    x.randomize(rng);
+    std::vector<int32_t> pos(c.T);
+    for (int t = 0; t < c.T; ++t) pos[t] = t < 3 ? t : rng.integer(0, 200000);
+    RopeTable rt;
+    rt.rot_dim = c.rot;
+    rt.interleaved = c.inter;
+    rt.attention_factor = c.inter ? 1.25f : 1.0f;
+    for (int i = 0; i < c.rot / 2; ++i)
+      rt.inv_freq.push_back(static_cast<float>(1.0 / std::pow(10000.0, 2.0 * i / c.rot)));
+    DeviceArray<int32_t> dpos(std::max<size_t>(pos.size(), 1));
+    dpos.upload(pos);
+    DeviceArray<float> dinv(rt.inv_freq);
+    cuda::RopeParams p{x.ptr(), x.ld, c.T, dpos.get(), c.heads, c.stride, c.rot_off, c.rot, c.inter, dinv.get(),
+                       rt.attention_factor};
+    cuda::launch_rope(p, st);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> ref = x.host;
+    cpu::rope(ref.data(), cols, c.T, pos.data(), c.heads, c.stride, c.rot_off, rt);
+    EXPECT_CLOSE_ROWS(x.download(), ref, c.T, cols, kOneRounding);
+    EXPECT_TRUE(x.padding_intact());
+  } else if (c.op == "SILU_MUL") {
+    DevMat gu(c.T, 2 * c.cols, 2 * c.cols + c.ld_pad);  // gate | up halves of one tensor, as the model has them
+    gu.randomize(rng, 2.0f);
+    DevMat out(c.T, c.cols, ld);
+    cuda::SiluMulParams p{gu.ptr(), gu.ld, gu.ptr() + c.cols, gu.ld, c.T, c.cols, out.ptr(), ld};
+    cuda::launch_silu_mul(p, st);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> ref(c.T * static_cast<size_t>(c.cols));
+    cpu::silu_mul(gu.host.data(), 2 * c.cols, gu.host.data() + c.cols, 2 * c.cols, c.T, c.cols, ref.data(), c.cols);
+    EXPECT_CLOSE_ROWS(out.download(), ref, c.T, c.cols, kOneRounding);
+    EXPECT_TRUE(out.padding_intact());
+  } else if (c.op == "ADD") {
+    DevMat x(c.T, c.cols, ld), io(c.T, c.cols, ld);
+    x.randomize(rng);
+    io.randomize(rng);
+    cuda::AddParams p{x.ptr(), ld, io.ptr(), ld, c.T, c.cols};
+    cuda::launch_add(p, st);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> ref(io.host.size());
+    for (size_t i = 0; i < ref.size(); ++i) ref[i] = x.host[i] + io.host[i];
+    EXPECT_CLOSE_ROWS(io.download(), ref, c.T, c.cols, kOneRounding);
+    EXPECT_TRUE(io.padding_intact());
+  } else if (c.op == "GATHER_BF16" || c.op == "GATHER_F32") {
+    const bool f32 = c.op == "GATHER_F32";
+    const int src_rows = c.T + 5;
+    std::vector<int32_t> rows(c.T);
+    for (int r = 0; r < c.T; ++r) rows[r] = rng.integer(0, src_rows - 1);
+    DeviceArray<int32_t> drows(std::max<size_t>(rows.size(), 1));
+    drows.upload(rows);
+    if (f32) {
+      std::vector<float> x(src_rows * static_cast<size_t>(ld));
+      for (auto& v : x) v = rng.normal();
+      DeviceArray<float> dx(x), dout(c.T * static_cast<size_t>(c.cols) + 1);
+      cuda::GatherRowsParams p{dx.get(), ld, drows.get(), c.T, c.cols, 4, dout.get(), c.cols};
+      cuda::launch_gather_rows(p, st);
+      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<float> got = dout.download();
+      for (int r = 0; r < c.T; ++r)
+        for (int j = 0; j < c.cols; ++j) ASSERT_EQ(got[r * c.cols + j], x[rows[r] * ld + j]);
+      EXPECT_TRUE(dout.guard_intact());
+    } else {
+      DevMat x(src_rows, c.cols, ld), out(c.T, c.cols, ld);
+      x.randomize(rng);
+      cuda::GatherRowsParams p{x.ptr(), ld, drows.get(), c.T, c.cols, 2, out.ptr(), ld};
+      cuda::launch_gather_rows(p, st);
+      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<float> ref(c.T * static_cast<size_t>(c.cols));
+      for (int r = 0; r < c.T; ++r) std::memcpy(&ref[r * c.cols], &x.host[rows[r] * c.cols], c.cols * sizeof(float));
+      EXPECT_EQ(out.download(), ref);
+      EXPECT_TRUE(out.padding_intact());
+    }
+  } else if (c.op == "MLA_SPLIT") {
+    const int heads = c.heads, nope = 32, rope = 16, vd = 32;
+    DevMat kv(c.T, heads * (nope + vd)), pe(c.T, rope), k(c.T, heads * (nope + rope), heads * (nope + rope) + c.ld_pad),
+        v(c.T, heads * vd);
+    kv.randomize(rng);
+    pe.randomize(rng);
+    cuda::MlaSplitKvParams p{kv.ptr(), kv.ld, pe.ptr(), pe.ld, c.T, heads, nope, rope, vd, k.ptr(), k.ld, v.ptr(), v.ld};
+    cuda::launch_mla_split_kv(p, st);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> rk(k.host.size()), rv(v.host.size());
+    for (int t = 0; t < c.T; ++t)
+      for (int h = 0; h < heads; ++h) {
+        for (int d = 0; d < nope; ++d) rk[t * k.cols + h * (nope + rope) + d] = kv.host[t * kv.cols + h * (nope + vd) + d];
+        for (int d = 0; d < rope; ++d) rk[t * k.cols + h * (nope + rope) + nope + d] = pe.host[t * rope + d];
+        for (int d = 0; d < vd; ++d) rv[t * v.cols + h * vd + d] = kv.host[t * kv.cols + h * (nope + vd) + nope + d];
+      }
+    EXPECT_EQ(k.download(), rk);
+    EXPECT_EQ(v.download(), rv);
+    EXPECT_TRUE(k.padding_intact() && v.padding_intact());
+  } else if (c.op == "CONVERT") {
+    DevMat x(c.T, c.cols, ld);
+    x.randomize(rng, 3.0f);
+    DeviceArray<float> f(std::max<size_t>(c.T * static_cast<size_t>(c.cols), 1));
+    cuda::ConvertParams p1{x.ptr(), ld, f.get(), c.cols, c.T, c.cols};
+    cuda::launch_bf16_to_f32(p1, st);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> fh = f.download();
+    fh.resize(x.host.size());
+    EXPECT_EQ(fh, x.host);
+    // f32 -> bf16 rounds like core/dtype.h (nearest even).
+    std::vector<float> src(x.host.size());
+    for (auto& v : src) v = rng.normal(5.0f);
+    f.upload(src);
+    DevMat back(c.T, c.cols, ld);
+    cuda::ConvertParams p2{f.get(), c.cols, back.ptr(), ld, c.T, c.cols};
+    cuda::launch_f32_to_bf16(p2, st);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_EQ(back.download(), bf16_round(src));
+    EXPECT_TRUE(back.padding_intact() && f.guard_intact());
+  } else if (c.op == "FP8_QUANT") {
+    // Bit-exact with cpu::quantize_fp8_per_token_group, both scale layouts.
+    DevMat x(c.T, c.cols, ld);
+    x.randomize(rng, 3.0f);
+    if (c.T > 1) std::fill(x.host.begin() + c.cols, x.host.begin() + c.cols + std::min(c.cols, 128), 0.0f);  // a zero group
+    x.upload();
+    const int groups = (c.cols + 127) / 128;
+    std::vector<uint8_t> qref(c.T * static_cast<size_t>(c.cols));
+    std::vector<float> sref(c.T * static_cast<size_t>(groups));
+    cpu::quantize_fp8_per_token_group(x.host.data(), c.T, c.cols, 128, qref.data(), sref.data());
+    for (int layout = 0; layout < 2; ++layout) {
+      DeviceArray<uint8_t> q(std::max<size_t>(qref.size(), 1));
+      DeviceArray<float> s(std::max<size_t>(sref.size(), 1));
+      cuda::Fp8QuantParams p;
+      p.x = x.ptr();
+      p.ld_x = ld;
+      p.M = c.T;
+      p.K = c.cols;
+      p.q = q.get();
+      p.ld_q = c.cols;
+      p.scales = s.get();
+      p.layout = layout ? cuda::Fp8ScaleLayout::kGroupMajor : cuda::Fp8ScaleLayout::kTokenMajor;
+      p.scale_ld = layout ? c.T : groups;
+      cuda::launch_fp8_quant_per_token(p, st);
+      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<uint8_t> qg = q.download();
+      std::vector<float> sg = s.download();
+      qg.resize(qref.size());
+      EXPECT_EQ(qg, qref) << "layout " << layout;
+      for (int t = 0; t < c.T; ++t)
+        for (int g = 0; g < groups; ++g)
+          ASSERT_EQ(sg[layout ? g * c.T + t : t * groups + g], sref[t * groups + g]) << "t " << t << " g " << g;
+      EXPECT_TRUE(q.guard_intact() && s.guard_intact());
+    }
+  } else {
+    FAIL() << "unknown op " << c.op;
+  }
+}
+
+TEST_P(Elementwise, MatchesCpu) {
+  MOELORA_REQUIRE_GPU();
+  run_case(GetParam());
+}
+
+std::vector<EltCase> elt_cases() {
+  std::vector<EltCase> v;
+  for (int T : {0, 1, 7, 256}) {
+    v.push_back({"EMBED", T, 2048});
+    v.push_back({"RMSNORM", T, 2048, 2048});
+    v.push_back({"ADD", T, 2048});
+    v.push_back({"SILU_MUL", T, 768});
+    v.push_back({"FP8_QUANT", T, 2048});
+  }
+  v.push_back({"EMBED", 5, 100, 0, 3});  // odd width: scalar path
+  v.push_back({"RMSNORM", 5, 4096, 128, 8});      // Qwen3 per-head q norm, padded rows
+  v.push_back({"RMSNORM", 3, 96, 32});            // small groups
+  v.push_back({"RMSNORM", 2, 1000, 1000});        // large group, scalar path
+  v.push_back({"RMSNORM_INPLACE", 9, 2048, 2048, 8});
+  v.push_back({"RMSNORM_INPLACE", 9, 512, 128});
+  v.push_back({"SILU_MUL", 3, 192, 0, 8});
+  v.push_back({"SILU_MUL", 4, 100});
+  v.push_back({"ADD", 3, 100, 0, 3});
+  EltCase r{"ROPE", 7, 0};
+  r.heads = 4, r.stride = 32, r.rot = 32;
+  v.push_back(r);                                   // Qwen3/Mixtral tiny, neox
+  r.heads = 32, r.stride = 128, r.rot = 128, r.T = 256;
+  v.push_back(r);                                   // Qwen3-30B q
+  r.heads = 4, r.stride = 48, r.rot_off = 32, r.rot = 16, r.inter = true, r.T = 5, r.ld_pad = 8;
+  v.push_back(r);                                   // DeepSeek q_pe: rotate the tail of each head, interleaved
+  r.heads = 1, r.stride = 16, r.rot_off = 0, r.rot = 16, r.T = 1, r.ld_pad = 0;
+  v.push_back(r);                                   // DeepSeek k_pe
+  for (int T : {1, 6}) {
+    v.push_back({"GATHER_BF16", T, 2048});
+    v.push_back({"GATHER_F32", T, 256});
+    v.push_back({"GATHER_BF16", T, 100, 0, 2});
+    v.push_back({"CONVERT", T, 200, 0, 4});
+  }
+  EltCase m{"MLA_SPLIT", 5, 0};
+  m.heads = 4, m.ld_pad = 8;
+  v.push_back(m);
+  v.push_back({"FP8_QUANT", 3, 192, 0, 8});  // partial last group
+  v.push_back({"FP8_QUANT", 2, 96});
+  return v;
+}
+
+std::string elt_name(const ::testing::TestParamInfo<EltCase>& i) { return gtest_safe(i.param.name()); }
+
+INSTANTIATE_TEST_SUITE_P(Elt, Elementwise, ::testing::ValuesIn(elt_cases()), elt_name);
+
+// Reduced list for compute-sanitizer (memcheck / racecheck): one small case per op.
+std::vector<EltCase> elt_sanitize_cases() {
+  EltCase r{"ROPE", 3, 0};
+  r.heads = 2, r.stride = 48, r.rot_off = 32, r.rot = 16, r.inter = true;
+  EltCase m{"MLA_SPLIT", 2, 0};
+  m.heads = 2;
+  return {{"EMBED", 3, 100}, {"RMSNORM", 3, 2048, 2048, 8}, {"RMSNORM", 2, 256, 128}, {"SILU_MUL", 2, 192, 0, 8},
+          {"ADD", 2, 100}, {"GATHER_BF16", 2, 100}, {"CONVERT", 2, 40}, {"FP8_QUANT", 3, 192}, r, m};
+}
+INSTANTIATE_TEST_SUITE_P(SanitizeElt, Elementwise, ::testing::ValuesIn(elt_sanitize_cases()), elt_name);
+
+}  // namespace
+}  // namespace moelora::ops_test
