@@ -68,7 +68,8 @@ class Backend {
   // layer, so a step needs one layer's scratch, not all of them).
   virtual size_t scratch_mark() = 0;
   virtual void scratch_release(size_t mark) = 0;
-  Tensor alloc_act(int64_t rows, int64_t cols) { return alloc(rows, cols, act_dtype()); }
+  // An activation (stored in act_dtype()); ops writing into activations round to that type.
+  virtual Tensor alloc_act(int64_t rows, int64_t cols) { return alloc(rows, cols, act_dtype()); }
 
   // out[t] = table[token_ids[t]]   (table [vocab, H] from upload())
   virtual void embed(const Tensor& table, Tensor out) = 0;

@@ -10,14 +10,15 @@ namespace moelora {
 
 std::vector<std::string> available_backends() {
 #ifdef MOELORA_HAVE_CUDA
-  return {"cpu", "cuda"};
+  return {"cpu", "cpu-bf16", "cuda"};
 #else
-  return {"cpu"};
+  return {"cpu", "cpu-bf16"};
 #endif
 }
 
 Result<std::unique_ptr<Backend>> make_backend(const BackendOptions& opts) {
   if (opts.name == "cpu") return std::unique_ptr<Backend>(std::make_unique<CpuBackend>());
+  if (opts.name == "cpu-bf16") return std::unique_ptr<Backend>(std::make_unique<CpuBackend>(/*bf16_activations=*/true));
   if (opts.name == "cuda") {
 #ifdef MOELORA_HAVE_CUDA
     if (!cuda::query_device().available) return unsupported("no CUDA device is visible to this process");
@@ -29,7 +30,7 @@ Result<std::unique_ptr<Backend>> make_backend(const BackendOptions& opts) {
     return unsupported("this moelora was built without CUDA (configure with -DMOELORA_CUDA=ON on a machine with nvcc)");
 #endif
   }
-  return invalid_argument("unknown backend '{}' (cpu or cuda)", opts.name);
+  return invalid_argument("unknown backend '{}' (cpu, cpu-bf16 or cuda)", opts.name);
 }
 
 }  // namespace moelora

@@ -203,11 +203,8 @@ Status verify_checkpoint(const fs::path& folder, const std::string& model_name, 
     r.median_rel = median(rels);
     all_rels.insert(all_rels.end(), rels.begin(), rels.end());
     const double top1 = r.top1_rows ? static_cast<double>(r.top1_match) / r.top1_rows : 1.0;
-    const double within = r.rows ? static_cast<double>(r.rows_within) / r.rows : 1.0;
-    // Per case: the typical row must be right (a wrong adapter moves every row by 50-140 %);
-    // the strict CPU setting also demands every row and every clear top-1.
-    r.passed = r.median_rel <= opts.max_rel_error &&
-               (opts.min_rows_within < 1.0 || within >= 1.0) && (opts.min_top1 < 1.0 || top1 >= 1.0);
+    r.passed = opts.exact ? r.rows_within == r.rows && r.top1_match == r.top1_rows
+                          : r.median_rel <= opts.case_max_median && top1 >= opts.case_min_top1;
     ckr.rows += r.rows;
     ckr.rows_within += r.rows_within;
     ckr.top1_match += r.top1_match;
@@ -220,8 +217,8 @@ Status verify_checkpoint(const fs::path& folder, const std::string& model_name, 
     if (on_case) on_case(r);
   }
   ckr.median_rel = median(all_rels);
-  ckr.passed = ckr.rows_within >= opts.min_rows_within * ckr.rows &&
-               ckr.top1_match >= opts.min_top1 * ckr.top1_rows;
+  ckr.passed = opts.exact ? ckr.rows_within == ckr.rows && ckr.top1_match == ckr.top1_rows
+                          : ckr.median_rel <= opts.ckpt_max_median && ckr.top1_match >= opts.ckpt_min_top1 * ckr.top1_rows;
   if (!ckr.passed) summary->failed++;  // a checkpoint below its aggregate bounds is a failure too
   summary->checkpoints.push_back(ckr);
   if (on_checkpoint) on_checkpoint(ckr);

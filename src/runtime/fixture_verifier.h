@@ -13,18 +13,30 @@
 
 namespace moelora {
 
-// Row error = ||out - ref|| / ||ref|| per logits row. A case passes when its median row error is
-// within `max_rel_error` and its share of rows within it is at least `min_rows_within`; every
-// checkpoint must also reach `min_rows_within` and `min_top1` over all its rows. The CPU path
-// demands every row (1.0); the GPU path computes in bf16, where a near-tied router choice can
-// flip an expert for a token (docs/numerics.md: the CPU emulating bf16 shows the same rows).
+// Row error = ||out - ref|| / ||ref|| per logits row; top-1 is counted on rows whose reference
+// top-1/top-2 gap is at least `tie_margin` x RMS(row).
+// Exact mode (the float32 CPU path): every row within `max_rel_error`, every counted top-1 right.
+// Statistical mode (bf16 activations: GPU, cpu-bf16): a router near-tie can flip one token's
+// expert in bf16 and every later row of that sequence follows (docs/numerics.md shows the CPU
+// emulating bf16 storage flips the same rows), so a case passes when its typical row is right
+// (median <= case_max_median, while a wrong adapter moves every row by 50-140 %) and its counted
+// top-1 agreement is >= case_min_top1; a checkpoint passes when its median row error is
+// <= ckpt_max_median and its top-1 agreement >= ckpt_min_top1.
 struct VerifyOptions {
-  double max_rel_error = 1e-4;
-  double min_rows_within = 1.0;
-  double min_top1 = 1.0;         // fraction of clear-margin rows whose argmax must match
-  // Rows whose reference top-1/top-2 gap is below this (relative to the row RMS) are near-ties:
-  // their argmax is not counted against min_top1.
+  bool exact = true;
+  double max_rel_error = 1e-4;   // exact mode: every row; both modes: the "within" count
   double tie_margin = 1e-3;
+  double case_max_median = 0.1;
+  double case_min_top1 = 0.75;
+  double ckpt_max_median = 2e-2;
+  double ckpt_min_top1 = 0.97;
+  static VerifyOptions for_bf16() {
+    VerifyOptions o;
+    o.exact = false;
+    o.max_rel_error = 3e-2;
+    o.tie_margin = 5e-2;  // a gap below ~the bf16 row error is not a decision the engine can hold
+    return o;
+  }
 };
 
 struct CaseResult {

@@ -1,5 +1,6 @@
 #include "backends/cpu/cpu_backend.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "backends/cpu/cpu_ops.h"
@@ -20,7 +21,12 @@ Tensor weight_to_f32(const Tensor& w, const Tensor& scale_inv, int block_out, in
 
 Tensor CpuBackend::upload(const Tensor& host, DType dtype) {
   MOELORA_CHECK_MSG(dtype == DType::kF32 || !is_float_dtype(host.dtype()), "CPU backend keeps floats as f32");
-  if (is_float_dtype(host.dtype())) return to_f32(host);
+  if (is_float_dtype(host.dtype())) {
+    Tensor f = to_f32(host);
+    if (bf16_)
+      for (int64_t i = 0; i < f.numel(); ++i) f.ptr<float>()[i] = bf16_to_f32(f32_to_bf16(f.ptr<float>()[i]));
+    return f;
+  }
   Tensor out = Tensor::empty_host(host.dtype(), host.shape());
   std::memcpy(out.data(), host.data(), host.nbytes());
   return out;
@@ -151,7 +157,27 @@ void CpuBackend::set_moe_lora_slot(MoeLoraTable& t, int slot, const MoeLoraSlot&
 const StepBatch& CpuBackend::begin_step(const StepBatch& batch) {
   batch_ = batch;
   scratch_.clear();
+  act_ranges_.clear();
   return batch_;
+}
+
+Tensor CpuBackend::alloc_act(int64_t rows, int64_t cols) {
+  Tensor t = alloc(rows, cols, act_dtype());
+  if (bf16_) act_ranges_.emplace_back(static_cast<const char*>(t.data()), static_cast<const char*>(t.data()) + t.nbytes());
+  return t;
+}
+
+void CpuBackend::round_act(const Tensor& t) const {
+  if (!bf16_) return;
+  const char* p = static_cast<const char*>(t.data());
+  const bool act = std::any_of(act_ranges_.begin(), act_ranges_.end(),
+                               [p](const auto& r) { return p >= r.first && p < r.second; });
+  if (!act) return;
+  for (int64_t r = 0; r < t.rows(); ++r)
+    for (int64_t c = 0; c < t.cols(); ++c) {
+      float& v = t.ptr<float>()[r * t.ld() + c];
+      v = bf16_to_f32(f32_to_bf16(v));
+    }
 }
 
 Tensor CpuBackend::alloc(int64_t rows, int64_t cols, DType dtype) {
@@ -168,11 +194,13 @@ void CpuBackend::embed(const Tensor& table, Tensor out) {
     MOELORA_CHECK_MSG(id >= 0 && id < table.dim(0), "token id {} outside the vocabulary", id);
     std::memcpy(out.ptr<float>() + t * out.ld(), table.ptr<float>() + id * H, H * sizeof(float));
   }
+  round_act(out);
 }
 
 void CpuBackend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor out) {
   cpu::rmsnorm(x.ptr<float>(), x.ld(), x.rows(), static_cast<int>(x.cols()), w.ptr<float>(),
                static_cast<int>(w.numel()), eps, out.ptr<float>(), out.ld());
+  round_act(out);
 }
 
 void CpuBackend::linear(const Tensor& x, const LinearWeight& w, const LoraModuleTable* lora, Tensor out) {
@@ -183,10 +211,12 @@ void CpuBackend::linear(const Tensor& x, const LinearWeight& w, const LoraModule
     MOELORA_CHECK(x.rows() == batch_.num_tokens());
     cpu::lora_add(x.ptr<float>(), x.ld(), x.rows(), batch_.token_slot.data(), *lora, out.ptr<float>(), out.ld());
   }
+  round_act(out);
 }
 
 void CpuBackend::rope(Tensor x, int heads, int head_stride, int rot_offset, const RopeTable& rope) {
   cpu::rope(x.ptr<float>(), x.ld(), x.rows(), batch_.positions.data(), heads, head_stride, rot_offset, rope);
+  round_act(x);
 }
 
 void CpuBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, KvLayer& kv, int heads,
@@ -195,17 +225,20 @@ void CpuBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, Kv
                        out.ptr<float>(), out.ld(), q.rows(), heads, scale, batch_.positions.data(),
                        batch_.token_seq.data(), &batch_};
   cpu::attention(a, kv);
+  round_act(out);
 }
 
 void CpuBackend::silu_mul(const Tensor& gate, const Tensor& up, Tensor out) {
   cpu::silu_mul(gate.ptr<float>(), gate.ld(), up.ptr<float>(), up.ld(), gate.rows(),
                 static_cast<int>(gate.cols()), out.ptr<float>(), out.ld());
+  round_act(out);
 }
 
 void CpuBackend::add(const Tensor& x, Tensor inout) {
   MOELORA_CHECK(x.rows() == inout.rows() && x.cols() == inout.cols());
   for (int64_t r = 0; r < x.rows(); ++r)
     for (int64_t c = 0; c < x.cols(); ++c) inout.ptr<float>()[r * inout.ld() + c] += x.ptr<float>()[r * x.ld() + c];
+  round_act(inout);
 }
 
 void CpuBackend::router_logits(const Tensor& x, const LinearWeight& gate, Tensor out) {
@@ -245,6 +278,7 @@ void CpuBackend::moe(const Tensor& x, const Tensor& ids, const Tensor& weights, 
   a.out = out.ptr<float>();
   a.ldo = out.ld();
   cpu::moe(a);
+  round_act(out);
 }
 
 void CpuBackend::gather_logit_rows(const Tensor& x, Tensor out) {
@@ -267,6 +301,8 @@ void CpuBackend::mla_split_kv(const Tensor& kv, const Tensor& k_pe, int heads, i
                   src + static_cast<int64_t>(h) * (nope + v_dim) + nope, v_dim * sizeof(float));
     }
   }
+  round_act(k);
+  round_act(v);
 }
 
 Tensor CpuBackend::to_host_f32(const Tensor& t) {

@@ -9,9 +9,13 @@
 
 namespace moelora {
 
+// `bf16_activations` emulates the GPU's storage: every activation an op writes is rounded to
+// bf16 (router and final logits stay f32, as on the GPU), and so are LoRA factors. It exists to
+// tell which GPU deviations come from bf16 storage alone (docs/numerics.md).
 class CpuBackend final : public Backend {
  public:
-  std::string name() const override { return "cpu"; }
+  explicit CpuBackend(bool bf16_activations = false) : bf16_(bf16_activations) {}
+  std::string name() const override { return bf16_ ? "cpu-bf16" : "cpu"; }
   Device device() const override { return Device::kCpu; }
   DType act_dtype() const override { return DType::kF32; }
 
@@ -31,6 +35,7 @@ class CpuBackend final : public Backend {
 
   const StepBatch& begin_step(const StepBatch& batch) override;
   Tensor alloc(int64_t rows, int64_t cols, DType dtype) override;
+  Tensor alloc_act(int64_t rows, int64_t cols) override;
   size_t scratch_mark() override { return scratch_.size(); }
   void scratch_release(size_t mark) override { scratch_.resize(mark); }
   void embed(const Tensor& table, Tensor out) override;
@@ -53,6 +58,10 @@ class CpuBackend final : public Backend {
   Tensor to_host_f32(const Tensor& t) override;
 
  private:
+  // bf16 emulation: rounds `t` if it lies in an activation buffer.
+  void round_act(const Tensor& t) const;
+  bool bf16_ = false;
+  std::vector<std::pair<const char*, const char*>> act_ranges_;
   StepBatch batch_;
   std::vector<Tensor> scratch_;
 };
