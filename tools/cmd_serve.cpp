@@ -205,6 +205,8 @@ void register_serve(CLI::App& app, int& exit_code) {
   cmd->add_option("--served-model-name", a->server.served_model_name,
                   "the base model's name in the API (default: the model folder's name)");
   cmd->add_option("--backend", a->backend.name, "cpu or cuda")->capture_default_str();
+  cmd->add_flag("!--no-graphs", a->backend.cuda_graphs, "CUDA: run decode steps eagerly instead of replaying graphs");
+  cmd->add_flag("!--no-overlap", a->backend.cuda_overlap, "CUDA: run MoE LoRA on the main stream, not a side stream");
   cmd->add_option("--max-loras-per-batch,--max-loras", a->engine.max_loras_per_batch,
                   "adapter slots: distinct adapters in one batch")
       ->capture_default_str()
