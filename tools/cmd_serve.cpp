@@ -38,6 +38,8 @@ struct ServeArgs {
   bool no_prefix_cache = false;
   double shutdown_grace_s = 10.0;
   int heartbeat_ms = 500;
+  int tp = 1;  // multi-GPU: not in this build (docs/multi_gpu.md)
+  int ep = 1;
 };
 
 // "NAME=PATH", or a bare PATH (sglang) named after its folder.
@@ -257,7 +259,21 @@ void register_serve(CLI::App& app, int& exit_code) {
   cmd->add_option("--shutdown-grace", a->shutdown_grace_s,
                   "seconds running requests get to finish after SIGINT/SIGTERM")
       ->capture_default_str();
+  cmd->add_option("--tp", a->tp, "tensor-parallel GPUs (one process each; needs an NCCL build, docs/multi_gpu.md)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  cmd->add_option("--ep", a->ep, "expert-parallel GPUs: tp x ep processes in all (needs an NCCL build)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
   cmd->callback([a, runtime_lora, &exit_code] {
+    if (a->tp * a->ep > 1) {
+      std::fprintf(stderr,
+                   "moelora serve: --tp %d --ep %d needs %d GPUs, one process each joined by NCCL; this build has no "
+                   "NCCL launcher yet (docs/multi_gpu.md). `moelora verify --backend cpu --tp/--ep` checks the sharding\n",
+                   a->tp, a->ep, a->tp * a->ep);
+      exit_code = 2;
+      return;
+    }
     a->allow_runtime_lora_given = runtime_lora->count() > 0;
     exit_code = run_serve(*a);
   });

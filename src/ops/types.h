@@ -53,7 +53,6 @@ struct LoraModuleTable {
   Tensor b_ptrs;  // I64 [num_slots]
   Tensor ranks;   // I32 [num_slots]
   std::vector<int> host_rank;
-  int max_rank() const;
 };
 
 // Routed-expert LoRA of one MoE layer across slots. For slot s and expert e:

@@ -66,6 +66,21 @@ void compare_row(const float* out, const float* ref, int V, double tie_margin, R
   }
 }
 
+// The single-device runner: the model's own forward with a slot pool on its backend.
+class ModelStepRunner final : public StepRunner {
+ public:
+  ModelStepRunner(Model& model, int num_slots)
+      : model_(model), pool_(model.config(), model.backend(), num_slots) {}
+  Result<int> acquire(const std::shared_ptr<const LoraAdapter>& adapter) override { return pool_.acquire(adapter); }
+  void alloc_kv_cache(int num_pages, int page_size) override { kv_ = model_.alloc_kv_cache(num_pages, page_size); }
+  Tensor forward(const StepBatch& batch) override { return model_.forward(batch, kv_, &pool_.tables()); }
+
+ private:
+  Model& model_;
+  LoraSlotPool pool_;
+  std::vector<KvLayer> kv_;
+};
+
 Result<Tensor> expected_tensor(const SafetensorsFile& f, const std::string& name, int64_t rows, int64_t cols) {
   MOELORA_ASSIGN_OR_RETURN(Tensor t, f.tensor(name));
   if (t.dtype() != DType::kF32 || t.ndim() != 2 || t.dim(0) != rows || t.dim(1) != cols)
@@ -92,11 +107,17 @@ Status verify_checkpoint(const fs::path& folder, const std::string& model_name, 
   std::vector<std::string> adapter_names;
   for (const Json& n : cases_json.value("adapters", Json::array())) adapter_names.push_back(n.get<std::string>());
   for (const auto& [alias, target] : alias_of) adapter_names.push_back(alias);
-  LoraSlotPool pool(cfg, backend, std::max<int>(1, static_cast<int>(adapter_names.size())));
+  const int num_slots = std::max<int>(1, static_cast<int>(adapter_names.size()));
+  std::unique_ptr<StepRunner> runner;
+  if (opts.make_runner) {
+    MOELORA_ASSIGN_OR_RETURN(runner, opts.make_runner(*model, num_slots));
+  } else {
+    runner = std::make_unique<ModelStepRunner>(*model, num_slots);
+  }
   std::map<std::string, int> slot_of;
   for (const std::string& name : adapter_names) {
     MOELORA_ASSIGN_OR_RETURN(auto adapter, load_lora_adapter((folder / "adapters" / name).string(), name, cfg));
-    MOELORA_ASSIGN_OR_RETURN(slot_of[name], pool.acquire(adapter));
+    MOELORA_ASSIGN_OR_RETURN(slot_of[name], runner->acquire(adapter));
   }
 
   std::vector<FixtureCase> cases;
@@ -127,7 +148,7 @@ Status verify_checkpoint(const fs::path& folder, const std::string& model_name, 
     const int len = static_cast<int>(cases[s].prompt.size()) + cases[s].new_tokens;
     for (int p = 0; p < (len + page_size - 1) / page_size; ++p) pages[s].push_back(next_page++);
   }
-  auto kv = model->alloc_kv_cache(next_page, page_size);
+  runner->alloc_kv_cache(next_page, page_size);
   prefill.seq_pages = pages;
   for (size_t s = 0; s < cases.size(); ++s) {
     const int slot = cases[s].adapter.empty() ? -1 : slot_of.at(cases[s].adapter);
@@ -139,7 +160,7 @@ Status verify_checkpoint(const fs::path& folder, const std::string& model_name, 
       prefill.token_slot.push_back(slot);
     }
   }
-  Tensor logits = model->forward(prefill, kv, &pool.tables());
+  Tensor logits = runner->forward(prefill);
   const int V = cfg.vocab_size;
   std::vector<RowStats> pre(cases.size()), dec(cases.size());
   std::vector<Tensor> gen_ids(cases.size()), gen_logits(cases.size());
@@ -176,7 +197,7 @@ Status verify_checkpoint(const fs::path& folder, const std::string& model_name, 
       step.token_slot.push_back(cases[s].adapter.empty() ? -1 : slot_of.at(cases[s].adapter));
       in_step.push_back(s);
     }
-    Tensor out = model->forward(step, kv, &pool.tables());
+    Tensor out = runner->forward(step);
     for (size_t r = 0; r < in_step.size(); ++r) {
       const size_t s = in_step[r];
       compare_row(out.ptr<float>() + static_cast<int64_t>(r) * V, gen_logits[s].ptr<float>() + static_cast<int64_t>(i) * V,

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -12,6 +13,24 @@
 #include "ops/backend.h"
 
 namespace moelora {
+
+class Model;
+struct LoraAdapter;
+
+// What runs a checkpoint's steps. The default places the adapters in a LoraSlotPool on the
+// model's backend and calls Model::forward; `moelora verify --tp/--ep` plugs in the sharded CPU
+// forward (src/parallel) here.
+class StepRunner {
+ public:
+  virtual ~StepRunner() = default;
+  // The adapter's slot, as the tokens of the batch will name it.
+  virtual Result<int> acquire(const std::shared_ptr<const LoraAdapter>& adapter) = 0;
+  virtual void alloc_kv_cache(int num_pages, int page_size) = 0;
+  // Logits of batch.logit_rows, host float32 [rows, vocab].
+  virtual Tensor forward(const StepBatch& batch) = 0;
+};
+// Makes the runner of one checkpoint from its loaded model and the adapter slots it needs.
+using MakeStepRunner = std::function<Result<std::unique_ptr<StepRunner>>(Model& model, int num_slots)>;
 
 // Row error = ||out - ref|| / ||ref|| per logits row; top-1 is counted on rows whose reference
 // top-1/top-2 gap is at least `tie_margin` x RMS(row).
@@ -30,6 +49,7 @@ struct VerifyOptions {
   double case_min_top1 = 0.75;
   double ckpt_max_median = 2e-2;
   double ckpt_min_top1 = 0.97;
+  MakeStepRunner make_runner;  // empty: Model::forward on the backend
   static VerifyOptions for_bf16() {
     VerifyOptions o;
     o.exact = false;

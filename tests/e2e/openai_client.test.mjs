@@ -80,7 +80,9 @@ describe('completions', () => {
     assert.deepEqual(s.finish, ['length']);
     assert.equal(s.usage.completion_tokens, 12);
     assert.equal(s.usage.prompt_tokens, whole.usage.prompt_tokens);
-    assert.ok(s.chunks >= 3);
+    // At least one text chunk before the usage chunk; how many depends on timing, because the
+    // server sends in one event the tokens that arrived while the previous write was in flight.
+    assert.ok(s.chunks >= 2, `chunks: ${s.chunks}`);
   });
 
   test('each adapter gives its own output; sglang forms select the same adapter', async () => {

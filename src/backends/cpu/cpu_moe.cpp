@@ -122,14 +122,19 @@ void apply_lora(const ExpertLora& l, const double* x, int in, int out, double* y
 
 void moe(const MoeArgs& a) {
   const int H = a.H, I = a.I;
+  const int total_experts = a.global_experts > 0 ? a.global_experts : a.E;
+  MOELORA_CHECK(a.expert_begin >= 0 && a.expert_begin + a.E <= total_experts);
   std::vector<double> x(H), g(2 * I), act(I), d(H), y(H);
   for (int64_t t = 0; t < a.T; ++t) {
     for (int i = 0; i < H; ++i) x[i] = a.x[t * a.ldx + i];
     std::fill(y.begin(), y.end(), 0.0);
     const int slot = a.slot ? a.slot[t] : -1;
     for (int j = 0; j < a.k; ++j) {
-      const int e = a.ids[t * a.k + j];
-      MOELORA_CHECK_MSG(e >= 0 && e < a.E, "expert id {} outside 0..{}", e, a.E - 1);
+      const int global_id = a.ids[t * a.k + j];
+      MOELORA_CHECK_MSG(global_id >= 0 && global_id < total_experts, "expert id {} outside 0..{}", global_id,
+                        total_experts - 1);
+      if (global_id < a.expert_begin || global_id >= a.expert_begin + a.E) continue;  // another rank's expert
+      const int e = global_id - a.expert_begin;  // index into this call's weights
       const float* wgu = a.w_gate_up + static_cast<int64_t>(e) * 2 * I * H;
       for (int o = 0; o < 2 * I; ++o) {
         const float* wr = wgu + static_cast<int64_t>(o) * H;

@@ -69,6 +69,13 @@ struct MoeArgs {
   int E, H, I;
   const MoeLoraTable* lora;  // nullptr = none (host pointers, f32)
   float* out; int64_t ldo;
+  // Expert parallelism (src/parallel): the weights above, and the LoRA table's per-expert strides,
+  // hold experts [expert_begin, expert_begin + E) of a layer of `global_experts`. ids stay global;
+  // a pair whose expert lies outside that range belongs to another rank and contributes nothing
+  // here: it is masked, never mapped onto a local expert's (or another adapter's) weights.
+  // global_experts == 0: no expert parallelism, the weights hold the whole layer.
+  int expert_begin = 0;
+  int global_experts = 0;
 };
 void moe(const MoeArgs& a);
 
