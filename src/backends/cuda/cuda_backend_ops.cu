@@ -43,6 +43,23 @@ cuda::DenseWeight dense_weight(const LinearWeight& w) {
   return d;
 }
 
+// One projection's LoRA as the dense-LoRA kernels see it.
+cuda::LoraProblem lora_problem(const Tensor& x, bf16* y, int64_t ld_y, const LoraModuleTable& t) {
+  cuda::LoraProblem pr;
+  pr.x = act(x);
+  pr.ld_x = x.ld();
+  pr.y = y;
+  pr.ld_y = ld_y;
+  pr.in = t.in;
+  pr.out = t.out;
+  pr.num_slots = t.num_slots;
+  pr.a_ptrs = t.a_ptrs.ptr<int64_t>();
+  pr.b_ptrs = t.b_ptrs.ptr<int64_t>();
+  pr.ranks = t.ranks.ptr<int32_t>();
+  pr.host_rank = t.host_rank.data();
+  return pr;
+}
+
 }  // namespace
 
 void CudaBackend::embed(const Tensor& table, Tensor out) {
@@ -99,18 +116,7 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& w, const LoraModul
   for (int32_t s : batch_.token_slot) any = any || (s >= 0 && lora->host_rank[s] > 0);
   if (!any) return;
   MOELORA_CHECK(out.dtype() == DType::kBF16);
-  cuda::LoraProblem pr;
-  pr.x = a.x;
-  pr.ld_x = a.ld_x;
-  pr.y = a.y;
-  pr.ld_y = a.ld_y;
-  pr.in = lora->in;
-  pr.out = lora->out;
-  pr.num_slots = lora->num_slots;
-  pr.a_ptrs = lora->a_ptrs.ptr<int64_t>();
-  pr.b_ptrs = lora->b_ptrs.ptr<int64_t>();
-  pr.ranks = lora->ranks.ptr<int32_t>();
-  pr.host_rank = lora->host_rank.data();
+  const cuda::LoraProblem pr = lora_problem(x, a.y, a.ld_y, *lora);
   std::string key = fmt::format("{}x{}:{}", lora->in, lora->out, fmt::join(lora->host_rank, ","));
   auto it = meta_->lora_plans.find(key);
   if (it == meta_->lora_plans.end()) {
@@ -131,18 +137,7 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& w, const LoraModul
 // a recipe address before every launch of the graph (see cuda_graphs.cu).
 void CudaBackend::capture_lora(const Tensor& x, void* y, int64_t ld_y, const LoraModuleTable& lora) {
   const int M = static_cast<int>(x.rows());
-  cuda::LoraProblem pr;
-  pr.x = act(x);
-  pr.ld_x = x.ld();
-  pr.y = static_cast<bf16*>(y);
-  pr.ld_y = ld_y;
-  pr.in = lora.in;
-  pr.out = lora.out;
-  pr.num_slots = lora.num_slots;
-  pr.a_ptrs = lora.a_ptrs.ptr<int64_t>();
-  pr.b_ptrs = lora.b_ptrs.ptr<int64_t>();
-  pr.ranks = lora.ranks.ptr<int32_t>();
-  pr.host_rank = lora.host_rank.data();
+  const cuda::LoraProblem pr = lora_problem(x, static_cast<bf16*>(y), ld_y, lora);
   const int capacity = cuda::lora_max_items(M, lora.num_slots, 1);
   cuda::LoraPlanOptions po;
   po.single_adapter_gemm = false;
