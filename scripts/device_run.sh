@@ -1,26 +1,77 @@
 #!/usr/bin/env bash
-# Everything the GPU machine runs in one call (device tool; see docs/gpu.md), from the repo root,
-# with .device/ carrying the CUDA build and the Debian shared libraries it links:
-#   1. the op suite (every CUDA kernel vs the CPU reference), 2. verify on every public fixture in
-#   three modes, 3. moelora bench on full-size shapes. Logs go to $OUT.
+# On the H200 (device tool), from the repository root, with .device/ carried (made here by
+# scripts/device_prepare.sh). Runs the stages named as arguments (default: all), logging to $OUT:
+#   ops      the op suite (every CUDA kernel vs the CPU reference)
+#   verify   moelora verify on every public fixture: graphs + overlap, eager, overlap off
+#   bench    moelora bench (decode steps with sampling, prefill) with JSON records
+#   serve    moelora serve --backend cuda on the bundled model, driven over HTTP
+#   sanitize compute-sanitizer memcheck over the sampling op tests and one verify
 set -uo pipefail
 export LD_LIBRARY_PATH=$PWD/.device/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 out=${OUT:-/tmp}
 bin=./.device/moelora
+stages=${*:-ops verify bench serve}
+date -u
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
-if [ "${SKIP_OPS:-0}" != 1 ]; then
-  echo "== op suite"; timeout 240 ./.device/moelora_op_suite --gtest_brief=1 > $out/op_suite.log 2>&1; tail -4 $out/op_suite.log
-fi
-for mode in "" "--no-graphs" "--no-overlap"; do
-  echo "== verify cuda $mode"; timeout 120 $bin verify --fixtures tests/fixtures --backend cuda $mode > $out/verify_cuda${mode//-/_}.log 2>&1
-  grep "all cases" $out/verify_cuda${mode//-/_}.log; tail -1 $out/verify_cuda${mode//-/_}.log
+for stage in $stages; do
+  case $stage in
+  ops)
+    echo "== op suite"
+    timeout 300 ./.device/moelora_op_suite --gtest_brief=1 > $out/op_suite.log 2>&1; echo "exit $?"
+    grep -E "FAILED|PASSED|Failure" $out/op_suite.log | head -20; tail -3 $out/op_suite.log ;;
+  verify)
+    for mode in "" "--no-graphs" "--no-overlap"; do
+      log=$out/verify_cuda${mode//-/_}.log
+      echo "== verify cuda $mode"
+      timeout 150 $bin verify --fixtures tests/fixtures --backend cuda $mode > $log 2>&1; echo "exit $?"
+      grep "all cases" $log; tail -1 $log
+    done ;;
+  bench)
+    echo "== bench"
+    rec=$out/bench_records.jsonl
+    cfg=bench/configs/qwen3-30b-a3b-fp8.json
+    (
+      timeout 240 $bin bench --config $cfg --backend cuda --batch 1,8,64,128,256 --adapters 0,8 --rank 16 --iters 10 --json $rec
+      timeout 90 $bin bench --config $cfg --backend cuda --batch 1,64 --adapters 0,8 --rank 64 --iters 8 --json $rec
+      timeout 90 $bin bench --config $cfg --backend cuda --batch 64 --adapters 0,8 --iters 3 --prefill 512 --json $rec
+      timeout 90 $bin bench --config bench/configs/mixtral-8x7b-fp8.json --backend cuda --batch 1,64 --adapters 0,8 --iters 6 --json $rec
+    ) > $out/bench.log 2>&1
+    grep -v "^\[" $out/bench.log ;;
+  serve)
+    echo "== serve --backend cuda (bundled model)"
+    m=models/tiny-qwen3moe
+    $bin serve --backend cuda --port 8123 --model $m --lora attn-r8=$m/adapters/attn-r8 --lora full-r16=$m/adapters/full-r16 \
+      > $out/serve.log 2>&1 &
+    pid=$!
+    for i in $(seq 1 120); do curl -s localhost:8123/health >/dev/null && break; sleep 0.5; done
+    curl -s localhost:8123/v1/completions -H 'Content-Type: application/json' \
+      -d '{"model": "full-r16", "prompt": "Hello", "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "seed": 1, "logprobs": 2}'; echo
+    timeout 120 $bin bench-serving --port 8123 -n 256 --max-concurrency 64 --input-len 32 --output-len 32 --include-base 2>&1 | tail -12
+    kill -TERM $pid; wait $pid; echo "serve exit $?"
+    grep -E "memory:|engine:" $out/serve.log | head -5
+    echo "== serve --random-weights (Qwen3-30B-A3B shapes, 8 random adapters r16) + bench-serving"
+    $bin serve --backend cuda --port 8124 --random-weights --config bench/configs/qwen3-30b-a3b-fp8.json \
+      --random-adapters 8 --random-adapter-rank 16 --max-lora-rank 16 --max-num-seqs 256 --max-model-len 2048 \
+      > $out/serve_random.log 2>&1 &
+    pid=$!
+    for i in $(seq 1 240); do curl -s localhost:8124/health >/dev/null && break; sleep 0.5; done
+    for c in 1 16 64 256; do
+      for ad in 0 8; do
+        if [ $ad = 0 ]; then sel="--include-base --adapters 0"; else sel="--adapters 8"; fi
+        echo "-- concurrency $c adapters $ad"
+        timeout 90 $bin bench-serving --port 8124 -n $((c * 4 > 32 ? c * 4 : 32)) --max-concurrency $c --input-len 128 \
+          --output-len 64 $sel --json $out/serving_c${c}_a${ad}.json 2>&1 | grep -E "throughput|TTFT|ITL|failed" | head -6
+      done
+    done
+    kill -TERM $pid; wait $pid; echo "serve exit $?"
+    grep -E "memory:|engine:|random" $out/serve_random.log | head -5 ;;
+  sanitize)
+    echo "== compute-sanitizer"
+    timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 ./.device/moelora_op_suite --gtest_filter='*Sample*' \
+      > $out/sanitizer_sampling.log 2>&1; echo "memcheck sampling exit $?"; tail -2 $out/sanitizer_sampling.log
+    timeout 240 compute-sanitizer --tool racecheck --error-exitcode 3 ./.device/moelora_op_suite --gtest_filter='SanitizeSample*' \
+      > $out/racecheck_sampling.log 2>&1; echo "racecheck sampling exit $?"; tail -2 $out/racecheck_sampling.log
+    timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 $bin verify --fixtures tests/fixtures/qwen3moe --backend cuda \
+      > $out/sanitizer_verify.log 2>&1; echo "memcheck verify exit $?"; tail -2 $out/sanitizer_verify.log ;;
+  esac
 done
-echo "== bench"
-(
-timeout 150 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8,64,128,256 --adapters 0,1,8,32 --rank 16 --iters 8 --prefill 0
-timeout 60 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,64 --adapters 0,8 --rank 64 --iters 8
-timeout 60 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --no-graphs --batch 1,64 --adapters 0,8 --iters 5 --prefill 512
-timeout 60 $bin bench --config bench/configs/mixtral-8x7b-fp8.json --backend cuda --batch 1,64 --adapters 0,8 --iters 5
-timeout 60 $bin bench --config bench/configs/qwen3-235b-a22b-fp8.json --layers 8 --backend cuda --batch 1,64 --adapters 0,8 --iters 5
-) > $out/bench.log 2>&1
-cat $out/bench.log | grep -v "^\[" 

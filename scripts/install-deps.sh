@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
 # Installs what building and testing moelora needs on Debian 12 (apt; npm packages for the
-# tokenizer and client tests). Safe to run again: it only installs what is missing.
+# tokenizer and client tests). Safe to run again: it only installs what is missing. Runs as root
+# without sudo (containers), or as a user with sudo.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 SUDO=""
-if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+if [ "$(id -u)" -ne 0 ]; then
+  if ! command -v sudo >/dev/null 2>&1; then
+    echo "moelora: install-deps.sh needs root or sudo to install packages" >&2
+    exit 1
+  fi
+  SUDO="sudo"
+fi
 
-packages=(build-essential cmake ninja-build pkg-config git
-          nlohmann-json3-dev libcli11-dev libcpp-httplib-dev libpcre2-dev libspdlog-dev libfmt-dev
+# libboost1.81-dev: Boost.Beast/Asio for the HTTP server (header-only). curl: the examples in
+# docs/serving.md and the printed hints.
+packages=(build-essential cmake ninja-build pkg-config git curl ca-certificates
+          nlohmann-json3-dev libcli11-dev libboost1.81-dev libpcre2-dev libspdlog-dev libfmt-dev
           libgtest-dev libgmock-dev libbenchmark-dev clang libclang-rt-14-dev python3 python3-jinja2)
 command -v node >/dev/null 2>&1 || packages+=(nodejs)
 command -v npm >/dev/null 2>&1 || packages+=(npm)

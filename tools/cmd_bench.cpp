@@ -14,6 +14,7 @@
 #include "model/archs.h"
 #include "model/model.h"
 #include "runtime/backend_factory.h"
+#include "tools/bench_record.h"
 #include "tools/commands.h"
 
 namespace moelora::tools {
@@ -31,6 +32,19 @@ struct Args {
   int prefill = 0;  // > 0: also time a prefill step of this many tokens per sequence
   int iters = 10;
   double hbm_tbps = 4.3;  // H200 copy bandwidth measured in this workplace
+  std::string json;       // append one JSON record per point (bench_record.h)
+};
+
+// What one measured step consists of.
+enum class StepKind {
+  kKernels,  // forward only, `iters` steps queued back to back: the device time of the kernels
+  kLogits,   // forward, then wait for the logits (no sampling)
+  kSampled,  // forward + seeded top-p sampling on the backend: what the engine runs
+};
+
+struct Timing {
+  double wall_us = 0;  // median over the timed steps
+  double host_us = 0;  // median of wall minus time blocked on the device
 };
 
 // Random LoRA factors for every dense projection and the routed experts of every layer.
@@ -124,6 +138,7 @@ int run(Args a) {
     return 2;
   }
   ModelConfig c = *cfg;
+  const std::string model_name = std::filesystem::path(a.config).filename().replace_extension().string();
   if (a.layers > 0 && a.layers < c.num_layers) {  // a slice of a model too large for one GPU
     c.num_layers = a.layers;
     c.layer_is_moe.resize(a.layers);
@@ -143,7 +158,11 @@ int run(Args a) {
   std::printf("bench: %s (%s), %d layers, backend %s, %s, rank %d, context %d, floor at %.1f TB/s\n",
               arch_name(c.arch), path.c_str(), c.num_layers, b.name().c_str(), c.fp8 ? "FP8" : "bf16", a.rank,
               a.context, a.hbm_tbps);
-  std::printf("%6s %9s %12s %12s %12s %10s\n", "batch", "adapters", "step_us", "tok/s", "floor_us", "x_floor");
+  // step_us: forward + seeded top-p sampling, synchronous (as the engine steps); logits_us: the
+  // same without sampling; kernel_us: device time per step with steps queued back to back;
+  // host_us: step time the host was not waiting for the device; x_logits: sampling's cost.
+  std::printf("%6s %9s %12s %12s %12s %10s %12s %12s %10s %9s\n", "batch", "adapters", "step_us", "tok/s", "floor_us",
+              "x_floor", "logits_us", "kernel_us", "host_us", "x_logits");
   for (int B : a.batches)
     for (int N : a.adapters) {
       auto step_batch = [&](int pos, int tokens_per_seq) {
@@ -163,25 +182,73 @@ int run(Args a) {
         return s;
       };
       const LoraTables* tables = N > 0 ? &ad.tables : nullptr;
-      std::vector<double> us;
-      for (int it = 0; it < a.iters + 3; ++it) {  // 3 warm-up steps: eager, capture, first replay
-        StepBatch s = step_batch(a.context + it, 1);
-        auto t0 = std::chrono::steady_clock::now();
-        model->forward(s, kv, tables);  // ends with a synchronous read of the logits
-        auto t1 = std::chrono::steady_clock::now();
-        if (it >= 3) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-      }
-      std::sort(us.begin(), us.end());
-      const double med = us[us.size() / 2];
+      // Sampling as a chat request asks for it: temperature, top-p, a seed per request.
+      std::vector<SampleRow> rows(B);
+      for (int q = 0; q < B; ++q) rows[q].temperature = 0.8f, rows[q].top_p = 0.9f, rows[q].seed = 1000 + q;
+      int pos = a.context;
+      auto measure = [&](StepKind kind) {
+        std::vector<double> wall, host;
+        if (kind == StepKind::kKernels) {
+          // The same step queued `iters` times: the host runs ahead, so the device time per step
+          // is the kernels' (identical batches make the reused staging buffers harmless).
+          StepBatch s = step_batch(pos, 1);
+          model->forward_logits(s, kv, tables);
+          b.synchronize();
+          b.device_timer_begin();
+          for (int it = 0; it < a.iters; ++it) model->forward_logits(s, kv, tables);
+          const double dev = b.device_timer_end_us();
+          (void)b.take_device_wait_seconds();
+          return Timing{dev / a.iters, 0.0};
+        }
+        for (int it = 0; it < a.iters + 3; ++it) {  // 3 warm-up steps: eager, capture, first replay
+          StepBatch s = step_batch(pos++, 1);
+          (void)b.take_device_wait_seconds();
+          auto t0 = std::chrono::steady_clock::now();
+          Tensor logits = model->forward_logits(s, kv, tables);
+          if (kind == StepKind::kLogits) b.synchronize();
+          else {
+            for (int q = 0; q < B; ++q) rows[q].step = static_cast<uint64_t>(it);
+            (void)b.sample(logits, rows);
+          }
+          const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+          const double wait_us = b.take_device_wait_seconds() * 1e6;
+          if (it >= 3) wall.push_back(us), host.push_back(std::max(0.0, us - wait_us));
+        }
+        std::sort(wall.begin(), wall.end());
+        std::sort(host.begin(), host.end());
+        return Timing{wall[wall.size() / 2], host[host.size() / 2]};
+      };
+      const Timing sampled = measure(StepKind::kSampled);
+      const Timing logits_only = measure(StepKind::kLogits);
+      const Timing kernels = measure(StepKind::kKernels);
+      const double med = sampled.wall_us;
       const double floor_us = floor_bytes(c, B, N, a.rank, a.context) / (a.hbm_tbps * 1e12) * 1e6;
-      std::printf("%6d %9d %12.1f %12.0f %12.1f %10.2f\n", B, N, med, B / (med * 1e-6), floor_us, med / floor_us);
+      std::printf("%6d %9d %12.1f %12.0f %12.1f %10.2f %12.1f %12.1f %10.1f %9.3f\n", B, N, med, B / (med * 1e-6),
+                  floor_us, med / floor_us, logits_only.wall_us, kernels.wall_us, sampled.host_us,
+                  med / logits_only.wall_us);
+      append_record(a.json,
+                    {{"bench", "decode_step"}, {"model", model_name},
+                     {"config", path}, {"layers", c.num_layers}, {"backend", b.name()},
+                     {"graphs", a.backend.cuda_graphs}, {"batch", B}, {"adapters", N}, {"rank", a.rank},
+                     {"context", a.context}, {"sampling", "temperature 0.8, top_p 0.9, seeded"},
+                     {"step_us", med}, {"logits_us", logits_only.wall_us}, {"kernel_us", kernels.wall_us},
+                     {"host_us", sampled.host_us}, {"floor_us", floor_us}, {"x_floor", med / floor_us},
+                     {"tok_s", B / (med * 1e-6)}},
+                    b.device_description());
       if (a.prefill > 0) {
         StepBatch s = step_batch(0, a.prefill);
-        model->forward(s, kv, tables);
+        model->forward_logits(s, kv, tables);
+        b.synchronize();
         auto t0 = std::chrono::steady_clock::now();
-        model->forward(s, kv, tables);
+        model->forward_logits(s, kv, tables);
+        b.synchronize();
         const double pu = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
         std::printf("%6s prefill %d x %d tokens: %.1f us, %.0f tok/s\n", "", B, a.prefill, pu, B * a.prefill / (pu * 1e-6));
+        append_record(a.json,
+                      {{"bench", "prefill"}, {"model", model_name}, {"config", path},
+                       {"layers", c.num_layers}, {"backend", b.name()}, {"batch", B}, {"prompt_tokens", a.prefill},
+                       {"adapters", N}, {"rank", a.rank}, {"step_us", pu}, {"tok_s", B * a.prefill / (pu * 1e-6)}},
+                      b.device_description());
       }
       std::fflush(stdout);
     }
@@ -205,6 +272,7 @@ void register_bench(CLI::App& app, int& exit_code) {
   cmd->add_option("--prefill", a->prefill, "also time a prefill of N tokens per sequence")->capture_default_str();
   cmd->add_option("--iters", a->iters, "timed steps per point (median reported)")->capture_default_str();
   cmd->add_option("--hbm-tbps", a->hbm_tbps, "bandwidth for the floor")->capture_default_str();
+  cmd->add_option("--json", a->json, "append one JSON record per measured point to this file");
   cmd->callback([a, &exit_code] { exit_code = run(*a); });
 }
 

@@ -3,8 +3,9 @@
 // as a Poisson process at --request-rate (or all at once), at most --max-concurrency in flight,
 // with random prompts of --input-len tokens and --output-len generated tokens (ignore_eos, so
 // every request generates exactly that many). Every request streams, so the report has time to
-// first token and inter-token latency percentiles as well as throughput.
-#include <httplib.h>
+// first token and inter-token latency percentiles as well as throughput. --endpoint
+// /v1/chat/completions sends chat bodies (the prompt's text as one user message).
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <atomic>
@@ -14,14 +15,21 @@
 #include <cstdio>
 #include <deque>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <random>
 #include <thread>
 
+#include <boost/asio/connect.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include "io/json_util.h"
+#include "tools/bench_record.h"
 #include "tools/commands.h"
 
 namespace moelora::tools {
@@ -45,8 +53,69 @@ struct BenchArgs {
   double temperature = 0.0;
   std::string endpoint = "/v1/completions";
   std::string json_out;
+  std::string gpu;  // recorded in the JSON record: the server's GPU, as the caller knows it
   int timeout_s = 600;
+  std::string api_key;  // sent as "Authorization: Bearer"
 };
+
+bool is_chat(const BenchArgs& a) { return a.endpoint.find("chat/completions") != std::string::npos; }
+
+struct HttpResult {
+  int status = 0;
+  std::string body;   // the whole body, unless streamed to on_data with status 200
+  std::string error;  // connection-level failure
+};
+
+// One request on a fresh connection (blocking, Boost.Beast). With `on_data`, a 200 body is
+// handed over as it arrives (SSE) instead of being collected.
+HttpResult http_call(const BenchArgs& a, const char* method, const std::string& target, const std::string& body,
+                     const std::function<void(std::string_view)>& on_data = {}) {
+  namespace net = boost::asio;
+  namespace beast = boost::beast;
+  namespace http = beast::http;
+  HttpResult r;
+  try {
+    net::io_context ioc;
+    net::ip::tcp::resolver resolver(ioc);
+    net::ip::tcp::socket sock(ioc);
+    net::connect(sock, resolver.resolve(a.host, std::to_string(a.port)));
+    // Blocking reads and writes give up after --timeout.
+    const timeval tv{a.timeout_s, 0};
+    setsockopt(sock.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    setsockopt(sock.native_handle(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    http::request<http::string_body> req{std::string_view(method) == "GET" ? http::verb::get : http::verb::post,
+                                         target, 11};
+    req.set(http::field::host, fmt::format("{}:{}", a.host, a.port));
+    if (!a.api_key.empty()) req.set(http::field::authorization, "Bearer " + a.api_key);
+    if (req.method() == http::verb::post) {
+      req.set(http::field::content_type, "application/json");
+      req.body() = body;
+    }
+    req.keep_alive(false);
+    req.prepare_payload();
+    http::write(sock, req);
+    beast::flat_buffer buf;
+    http::response_parser<http::buffer_body> p;
+    p.body_limit(boost::none);
+    http::read_header(sock, buf, p);
+    r.status = static_cast<int>(p.get().result_int());
+    char chunk[16384];
+    while (!p.is_done()) {
+      p.get().body().data = chunk;
+      p.get().body().size = sizeof(chunk);
+      beast::error_code ec;
+      http::read(sock, buf, p, ec);
+      if (ec == http::error::need_buffer) ec = {};
+      if (ec) throw beast::system_error(ec);
+      const size_t n = sizeof(chunk) - p.get().body().size;
+      if (on_data && r.status == 200) on_data(std::string_view(chunk, n));
+      else r.body.append(chunk, n);
+    }
+  } catch (const std::exception& e) {
+    r.error = e.what();
+  }
+  return r;
+}
 
 struct RequestResult {
   bool ok = false;
@@ -59,36 +128,23 @@ struct RequestResult {
 };
 
 // Streams one completion and records when its tokens arrive.
-RequestResult run_one(const BenchArgs& a, const std::string& model, const std::vector<int32_t>& prompt, uint64_t seed) {
+RequestResult run_one(const BenchArgs& a, const std::string& model, const std::vector<int32_t>& prompt,
+                      const std::string& prompt_text, uint64_t seed) {
   RequestResult r;
   r.model = model;
-  httplib::Client cli(a.host, a.port);
-  cli.set_read_timeout(a.timeout_s, 0);
-  cli.set_write_timeout(a.timeout_s, 0);
-  Json body = {{"model", model},       {"prompt", prompt},          {"max_tokens", a.output_len},
-               {"stream", true},       {"ignore_eos", true},        {"temperature", a.temperature},
-               {"seed", seed},         {"return_token_ids", true},  {"stream_options", {{"include_usage", true}}}};
-  httplib::Request req;
-  req.method = "POST";
-  req.path = a.endpoint;
-  req.set_header("Content-Type", "application/json");
-  req.body = body.dump();
-  std::string buf, error_body;
+  Json body = {{"model", model},   {"max_tokens", a.output_len}, {"stream", true},
+               {"ignore_eos", true}, {"temperature", a.temperature}, {"seed", seed},
+               {"return_token_ids", true}, {"stream_options", {{"include_usage", true}}}};
+  // Chat takes messages, not token ids: the prompt's text (built by /detokenize) is the message.
+  if (is_chat(a)) body["messages"] = Json::array({Json{{"role", "user"}, {"content", prompt_text}}});
+  else body["prompt"] = prompt;
+  std::string buf;
   const Clock::time_point start = Clock::now();
   Clock::time_point last;
-  int status = 0;
   bool got_usage = false;
   int usage_tokens = 0;
-  req.response_handler = [&](const httplib::Response& res) {
-    status = res.status;
-    return true;
-  };
-  req.content_receiver = [&](const char* data, size_t len, uint64_t, uint64_t) {
-    if (status != 200) {
-      error_body.append(data, len);
-      return true;
-    }
-    buf.append(data, len);
+  auto on_data = [&](std::string_view data) {
+    buf.append(data);
     size_t end;
     while ((end = buf.find("\n\n")) != std::string::npos) {
       std::string event = buf.substr(0, end);
@@ -108,9 +164,14 @@ RequestResult run_one(const BenchArgs& a, const std::string& model, const std::v
       }
       int tokens = 0;
       for (const Json& c : j.value("choices", Json::array())) {
+        // token_ids when the server returns them; else one token per non-empty text piece (a
+        // chat stream's opening chunk carries only the role and counts for nothing).
+        const Json* delta = c.contains("delta") && c["delta"].is_object() ? &c["delta"] : nullptr;
+        const bool text = (c.contains("text") && c["text"].is_string() && !c["text"].get<std::string>().empty()) ||
+                          (delta && delta->contains("content") && (*delta)["content"].is_string() &&
+                           !(*delta)["content"].get<std::string>().empty());
         if (c.contains("token_ids") && c["token_ids"].is_array()) tokens += static_cast<int>(c["token_ids"].size());
-        else if (!c.value("text", std::string()).empty() || (c.contains("delta") && c["delta"].contains("content")))
-          tokens += 1;
+        else if (text) tokens += 1;
       }
       if (tokens == 0) continue;
       const Clock::time_point now = Clock::now();
@@ -125,16 +186,13 @@ RequestResult run_one(const BenchArgs& a, const std::string& model, const std::v
       last = now;
       r.output_tokens += tokens;
     }
-    return true;
   };
-  httplib::Response res;
-  httplib::Error err = httplib::Error::Success;
-  const bool sent = cli.send(req, res, err);
+  const HttpResult res = http_call(a, "POST", a.endpoint, body.dump(), on_data);
   r.e2e = std::chrono::duration<double>(Clock::now() - start).count();
-  if (!sent) {
-    r.error = fmt::format("connection failed: {}", httplib::to_string(err));
-  } else if (status != 200) {
-    r.error = fmt::format("HTTP {}: {}", status, error_body.substr(0, 200));
+  if (!res.error.empty()) {
+    r.error = fmt::format("connection failed: {}", res.error);
+  } else if (res.status != 200) {
+    r.error = fmt::format("HTTP {}: {}", res.status, res.body.substr(0, 200));
   } else if (r.error.empty()) {
     if (got_usage) r.output_tokens = std::max(r.output_tokens, usage_tokens);
     r.ok = r.output_tokens > 0;
@@ -160,15 +218,13 @@ double mean(const std::vector<double>& v) {
 // Valid token ids to draw prompts from: what the server's /tokenize makes of some text, else
 // the low ids every vocabulary has.
 std::vector<int32_t> prompt_vocabulary(const BenchArgs& a) {
-  httplib::Client cli(a.host, a.port);
-  cli.set_read_timeout(30, 0);
   const std::string text =
       "The quick brown fox jumps over the lazy dog while serving many adapters in one batch of tokens, "
       "measuring latency and throughput under load: 0123456789 ABCDEFGHIJKLMNOPQRSTUVWXYZ abcdefghijklmnopqrstuvwxyz";
-  auto res = cli.Post("/tokenize", Json{{"prompt", text}, {"add_special_tokens", false}}.dump(), "application/json");
+  const HttpResult res = http_call(a, "POST", "/tokenize", Json{{"prompt", text}, {"add_special_tokens", false}}.dump());
   std::vector<int32_t> ids;
-  if (res && res->status == 200) {
-    Json j = Json::parse(res->body, nullptr, false);
+  if (res.error.empty() && res.status == 200) {
+    Json j = Json::parse(res.body, nullptr, false);
     if (!j.is_discarded() && j.contains("tokens"))
       for (const Json& t : j["tokens"]) ids.push_back(t.get<int32_t>());
   }
@@ -180,12 +236,12 @@ std::vector<int32_t> prompt_vocabulary(const BenchArgs& a) {
 }
 
 Result<std::vector<std::string>> pick_models(const BenchArgs& a) {
-  httplib::Client cli(a.host, a.port);
-  cli.set_read_timeout(30, 0);
-  auto res = cli.Get("/v1/models");
-  if (!res) return make_error(ErrorCode::kFailedPrecondition, "no server answers at {}:{}", a.host, a.port);
-  if (res->status != 200) return make_error(ErrorCode::kFailedPrecondition, "GET /v1/models: HTTP {}", res->status);
-  Json j = Json::parse(res->body, nullptr, false);
+  const HttpResult res = http_call(a, "GET", "/v1/models", "");
+  if (!res.error.empty())
+    return make_error(ErrorCode::kFailedPrecondition, "no server answers at {}:{} ({})", a.host, a.port, res.error);
+  if (res.status != 200)
+    return make_error(ErrorCode::kFailedPrecondition, "GET /v1/models: HTTP {}: {}", res.status, res.body.substr(0, 200));
+  Json j = Json::parse(res.body, nullptr, false);
   if (j.is_discarded() || !j.contains("data")) return invalid_argument("GET /v1/models: unexpected answer");
   std::string base;
   std::vector<std::string> adapters;
@@ -217,7 +273,8 @@ int run_bench(const BenchArgs& a) {
   struct Planned {
     std::string model;
     std::vector<int32_t> prompt;
-    double at = 0;  // seconds after start
+    std::string text;  // chat: the prompt as text
+    double at = 0;     // seconds after start
   };
   std::vector<Planned> plan(a.num_requests);
   double t = 0;
@@ -225,6 +282,16 @@ int run_bench(const BenchArgs& a) {
   for (int i = 0; i < a.num_requests; ++i) {
     plan[i].model = (*models)[i % models->size()];
     for (int k = 0; k < a.input_len; ++k) plan[i].prompt.push_back(vocab[rng() % vocab.size()]);
+    if (is_chat(a)) {
+      const HttpResult d = http_call(a, "POST", "/detokenize", Json{{"tokens", plan[i].prompt}}.dump());
+      Json j = d.status == 200 ? Json::parse(d.body, nullptr, false) : Json();
+      if (!j.is_object() || !j.contains("prompt") || !j["prompt"].is_string()) {
+        std::fprintf(stderr, "moelora bench-serving: /detokenize failed (HTTP %d): %s\n", d.status,
+                     (d.error.empty() ? d.body : d.error).substr(0, 200).c_str());
+        return 2;
+      }
+      plan[i].text = j["prompt"].get<std::string>();
+    }
     if (a.request_rate > 0) t += gap(rng);
     plan[i].at = a.request_rate > 0 ? t : 0.0;
   }
@@ -246,7 +313,7 @@ int run_bench(const BenchArgs& a) {
       for (int i; (i = next.fetch_add(1)) < a.num_requests;) {
         const auto due = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(plan[i].at));
         std::this_thread::sleep_until(due);
-        results[i] = run_one(a, plan[i].model, plan[i].prompt, a.seed + static_cast<uint64_t>(i));
+        results[i] = run_one(a, plan[i].model, plan[i].prompt, plan[i].text, a.seed + static_cast<uint64_t>(i));
       }
     });
   for (auto& th : pool) th.join();
@@ -304,7 +371,12 @@ int run_bench(const BenchArgs& a) {
       j[std::string("mean_") + key + "_ms"] = ms(mean(*v));
       for (double p : {50.0, 90.0, 99.0}) j[fmt::format("p{:.0f}_{}_ms", p, key)] = ms(percentile(*v, p));
     }
-    std::ofstream(a.json_out) << j.dump(2) << "\n";
+    j["bench"] = "serving";
+    j["concurrency"] = a.max_concurrency;
+    j["input_len"] = a.input_len;
+    j["output_len"] = a.output_len;
+    j["tok_s"] = out_tokens / duration;
+    append_record(a.json_out, j, a.gpu);
   }
   return ok == a.num_requests ? 0 : 1;
 }
@@ -332,8 +404,11 @@ void register_bench_serving(CLI::App& app, int& exit_code) {
   cmd->add_option("--output-len", a->output_len, "generated tokens per request")->capture_default_str()->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--temperature", a->temperature, "sampling temperature (0: greedy)")->capture_default_str();
   cmd->add_option("--seed", a->seed, "seed for prompts and sampling")->capture_default_str();
-  cmd->add_option("--endpoint", a->endpoint, "completions route")->capture_default_str();
-  cmd->add_option("--json", a->json_out, "also write the results to this JSON file");
+  cmd->add_option("--endpoint", a->endpoint, "/v1/completions, or /v1/chat/completions (chat bodies)")
+      ->capture_default_str();
+  cmd->add_option("--api-key", a->api_key, "the server's API key (sent as Authorization: Bearer)");
+  cmd->add_option("--json", a->json_out, "append the results as one JSON line (a bench record) to this file");
+  cmd->add_option("--gpu", a->gpu, "the server's GPU, written into the JSON record");
   cmd->add_option("--timeout", a->timeout_s, "seconds a request may take")->capture_default_str();
   cmd->callback([a, &exit_code] { exit_code = run_bench(*a); });
 }

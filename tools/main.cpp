@@ -9,6 +9,9 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   std::string log_level = "info";
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error, off")->capture_default_str();
+  // Global options are accepted after the subcommand too (`moelora serve --log-level debug`):
+  // subcommands inherit fallthrough and hand options they do not know to the main command.
+  app.fallthrough();
   int exit_code = 0;
   moelora::tools::register_verify(app, exit_code);
   moelora::tools::register_generate(app, exit_code);

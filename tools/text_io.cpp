@@ -4,7 +4,7 @@
 
 #include <fmt/format.h>
 
-#include "tokenizer/bpe_tokenizer.h"
+#include "tokenizer/tokenizer_dir.h"
 
 namespace moelora::tools {
 
@@ -15,7 +15,8 @@ TextCodec::TextCodec(const std::string& model_dir) {
     error_ = model_dir + " has no tokenizer.json: give prompts as ids (--prompt-ids)";
     return;
   }
-  auto t = BpeTokenizer::from_file(path);
+  // The folder's tokenizer as the server uses it (tokenizer_config.json decides BOS and friends).
+  auto t = Tokenizer::load(model_dir);
   if (t.ok()) tok_ = *t;
   else error_ = t.status().message();
 }

@@ -8,7 +8,7 @@
 #include "core/status.h"
 
 namespace moelora {
-class BpeTokenizer;
+class Tokenizer;
 }
 
 namespace moelora::tools {
@@ -23,7 +23,7 @@ class TextCodec {
   static std::string quote(const std::string& text);
 
  private:
-  std::shared_ptr<BpeTokenizer> tok_;
+  std::shared_ptr<Tokenizer> tok_;
   std::string error_;
 };
 

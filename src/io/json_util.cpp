@@ -87,12 +87,6 @@ Result<int64_t> json_get_int(const Json& obj, std::string_view key, std::string_
   return *v;
 }
 
-Result<double> json_get_number(const Json& obj, std::string_view key, std::string_view what) {
-  MOELORA_ASSIGN_OR_RETURN(auto v, json_opt_number(obj, key, what));
-  if (!v) return invalid_argument("{}: required field \"{}\" is missing", what, key);
-  return *v;
-}
-
 Result<std::string> json_get_string(const Json& obj, std::string_view key, std::string_view what) {
   MOELORA_ASSIGN_OR_RETURN(auto v, json_opt_string(obj, key, what));
   if (!v) return invalid_argument("{}: required field \"{}\" is missing", what, key);

@@ -22,7 +22,6 @@ Result<Json> parse_json_strict(std::string_view text, std::string_view what, int
 // Typed field access with messages that name the field and the document.
 // get_*: the field must exist; opt_*: absent or null gives nullopt; a wrong type is an error.
 Result<int64_t> json_get_int(const Json& obj, std::string_view key, std::string_view what);
-Result<double> json_get_number(const Json& obj, std::string_view key, std::string_view what);
 Result<std::string> json_get_string(const Json& obj, std::string_view key, std::string_view what);
 Result<std::optional<int64_t>> json_opt_int(const Json& obj, std::string_view key, std::string_view what);
 Result<std::optional<double>> json_opt_number(const Json& obj, std::string_view key, std::string_view what);

@@ -1,5 +1,11 @@
 #include "lora/adapter.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -8,8 +14,8 @@
 
 #include <fmt/format.h>
 
+#include "core/log.h"
 #include "io/json_util.h"
-#include "io/mapped_file.h"
 #include "io/safetensors.h"
 #include "lora/peft_config.h"
 #include "model/archs.h"
@@ -21,6 +27,78 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr std::string_view kPrefix = "base_model.model.";
+
+// Bounds checked after the scale is folded into lora_B. Real adapters have scales of ~0.1..10
+// and factors well below 1; a huge lora_alpha (1e39 is a valid JSON number) would turn finite
+// factors into values that overflow in the backend's half-precision copies or its GEMMs.
+constexpr double kMaxLoraScale = 1.0e4;
+constexpr double kMaxScaledValue = 65504.0;  // the largest finite fp16 value
+
+bool inside(const std::string& real, const std::string& root) {
+  return real == root || (real.size() > root.size() && real.compare(0, root.size(), root) == 0 &&
+                          (root.back() == '/' || real[root.size()] == '/'));
+}
+
+// Reads one adapter file safely (see AdapterLoadOptions::root): the real path must lie inside
+// `root` (when set) before the open and, read back from the open descriptor, after it; the open
+// neither follows a final symlink nor blocks; only a regular file of at most `max_bytes` is read.
+// `identity` accumulates size, mtime and a content hash. Errors name the path, never contents.
+Result<std::string> read_adapter_file(const std::string& path, const std::string& root, size_t max_bytes,
+                                      AdapterFilesIdentity* identity) {
+  char real[PATH_MAX];
+  if (::realpath(path.c_str(), real) == nullptr) {
+    if (errno == ENOENT) return not_found("'{}' does not exist", path);
+    return invalid_argument("cannot resolve '{}': {}", path, std::strerror(errno));
+  }
+  if (!root.empty() && !inside(real, root))
+    return invalid_argument("'{}' resolves outside --lora-root", path);
+  const int fd = ::open(real, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ELOOP) return invalid_argument("'{}' was replaced by a symbolic link while being opened", path);
+    return invalid_argument("cannot open '{}': {}", path, std::strerror(errno));
+  }
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return invalid_argument("'{}' is not a regular file", path);
+  if (!root.empty()) {
+    // A folder on the way may have been swapped for a symlink between realpath() and open():
+    // what the descriptor actually refers to must still be inside the root.
+    char opened[PATH_MAX];
+    const std::string link = "/proc/self/fd/" + std::to_string(fd);
+    const ssize_t n = ::readlink(link.c_str(), opened, sizeof(opened) - 1);
+    if (n <= 0) return invalid_argument("cannot verify where '{}' lives", path);
+    opened[n] = '\0';
+    if (!inside(opened, root)) return invalid_argument("'{}' resolves outside --lora-root", path);
+  }
+  if (static_cast<uint64_t>(st.st_size) > max_bytes)
+    return invalid_argument("'{}' is {} bytes, over the {} byte limit", path, st.st_size, max_bytes);
+  std::string out(static_cast<size_t>(st.st_size), '\0');
+  size_t got = 0;
+  while (got < out.size()) {
+    const ssize_t n = ::pread(fd, out.data() + got, out.size() - got, static_cast<off_t>(got));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return invalid_argument("cannot read '{}'", path);
+    got += static_cast<size_t>(n);
+  }
+  identity->bytes += out.size();
+  identity->mtime_ns = std::max<int64_t>(identity->mtime_ns, static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 +
+                                                                 st.st_mtim.tv_nsec);
+  // 64-bit FNV-1a over 8-byte words (then the tail): fast enough for large adapters and only
+  // used to tell whether files changed, not as a security boundary.
+  uint64_t h = identity->hash ^ 0xcbf29ce484222325ull;
+  size_t i = 0;
+  for (; i + 8 <= out.size(); i += 8) {
+    uint64_t w;
+    std::memcpy(&w, out.data() + i, 8);
+    h = (h ^ w) * 0x100000001b3ull;
+  }
+  for (; i < out.size(); ++i) h = (h ^ static_cast<unsigned char>(out[i])) * 0x100000001b3ull;
+  identity->hash = h;
+  return out;
+}
 
 struct ModuleTensors {
   Tensor a, b;
@@ -121,7 +199,8 @@ class AdapterBuilder {
     if (a.dim(1) != in || b.dim(0) != out)
       return invalid_argument("{}: module '{}': lora_A {} and lora_B {} do not fit the base [{}, {}] (out, in)", file_,
                               base, a.shape_string(), b.shape_string(), out, in);
-    LoraFactor f{a, scaled(b, peft_.scale_for(base)), rank};
+    MOELORA_ASSIGN_OR_RETURN(Tensor sb, scaled(b, peft_.scale_for(base), base));
+    LoraFactor f{a, sb, rank};
     if (ref->kind == ModuleRef::Kind::kDense) {
       adapter_->dense[ref->layer][static_cast<int>(ref->target)] = f;
     } else {
@@ -177,10 +256,26 @@ class AdapterBuilder {
     return {};
   }
 
-  static Tensor scaled(const Tensor& b, double s) {
+  // lora_B with the scale folded in. Checked after scaling: a huge lora_alpha (1e39 is a valid
+  // JSON number) would otherwise turn finite weights into inf in float32.
+  Result<Tensor> scaled(const Tensor& b, double s, const std::string& module) const {
+    MOELORA_RETURN_IF_ERROR(check_scale(s, module));
     Tensor out = Tensor::empty_host(DType::kF32, b.shape());
-    for (int64_t i = 0; i < b.numel(); ++i) out.ptr<float>()[i] = static_cast<float>(b.ptr<float>()[i] * s);
+    for (int64_t i = 0; i < b.numel(); ++i) {
+      const double v = b.ptr<float>()[i] * s;
+      if (!(std::fabs(v) <= kMaxScaledValue))
+        return invalid_argument("{}: module '{}': lora_B times the scale {} reaches {} (element {}), beyond {}", file_,
+                                module, s, v, i, kMaxScaledValue);
+      out.ptr<float>()[i] = static_cast<float>(v);
+    }
     return out;
+  }
+
+  Status check_scale(double s, const std::string& module) const {
+    if (!(std::fabs(s) <= kMaxLoraScale))
+      return invalid_argument("{}: module '{}': the LoRA scale (lora_alpha / r{}) is {}, beyond {}", file_, module,
+                              peft_.use_rslora ? ", rsLoRA: / sqrt(r)" : "", s, kMaxLoraScale);
+    return {};
   }
 
   // Stacks per-expert gate/up/down LoRAs into the fused layout (see ExpertLora).
@@ -289,6 +384,7 @@ class AdapterBuilder {
       const std::string pname = p.module + (what == kGateUp ? ".gate_up_proj" : ".down_proj");
       MOELORA_RETURN_IF_ERROR(check_rank(pname, r));
       const double s = peft_.scale_for(pname);
+      MOELORA_RETURN_IF_ERROR(check_scale(s, pname));
       const int in = static_cast<int>(p.a.dim(1)), out = static_cast<int>(p.b.dim(0));
       Tensor A = Tensor::empty_host(DType::kF32, {E, r, in});
       std::memcpy(A.data(), p.a.data(), p.a.nbytes());  // expert-major rows: already [E][r][in]
@@ -296,9 +392,13 @@ class AdapterBuilder {
       const float* src = p.b.ptr<float>();
       for (int e = 0; e < E; ++e)
         for (int o = 0; o < out; ++o)
-          for (int k = 0; k < r; ++k)  // expert-minor columns: expert e owns columns e, e+E, ...
-            B.ptr<float>()[(static_cast<int64_t>(e) * out + o) * r + k] =
-                static_cast<float>(src[static_cast<int64_t>(o) * r * E + static_cast<int64_t>(k) * E + e] * s);
+          for (int k = 0; k < r; ++k) {  // expert-minor columns: expert e owns columns e, e+E, ...
+            const double v = src[static_cast<int64_t>(o) * r * E + static_cast<int64_t>(k) * E + e] * s;
+            if (!(std::fabs(v) <= kMaxScaledValue))
+              return invalid_argument("{}: '{}': lora_B times the scale {} reaches {}, beyond {}", file_, pname, s, v,
+                                      kMaxScaledValue);
+            B.ptr<float>()[(static_cast<int64_t>(e) * out + o) * r + k] = static_cast<float>(v);
+          }
       if (what == kGateUp) {
         x.gu_a = A, x.gu_b = B, x.gu_rank = r;
       } else {
@@ -317,11 +417,12 @@ class AdapterBuilder {
   std::map<int, std::vector<FusedPart>> fused_;
 };
 
-Status check_added_tokens(const std::string& dir, const ModelConfig& cfg) {
+Status check_added_tokens(const std::string& dir, const ModelConfig& cfg, const std::string& root,
+                          AdapterFilesIdentity* identity) {
   const fs::path p = fs::path(dir) / "added_tokens.json";
   std::error_code ec;
-  if (!fs::exists(p, ec)) return {};
-  MOELORA_ASSIGN_OR_RETURN(std::string text, read_text_file(p.string(), 16u << 20));
+  if (!fs::exists(fs::symlink_status(p, ec))) return {};
+  MOELORA_ASSIGN_OR_RETURN(std::string text, read_adapter_file(p.string(), root, 16u << 20, identity));
   MOELORA_ASSIGN_OR_RETURN(Json j, parse_json_strict(text, p.string()));
   if (!j.is_object()) return invalid_argument("{} is not an object", p.string());
   for (auto it = j.begin(); it != j.end(); ++it)
@@ -339,17 +440,34 @@ Result<std::shared_ptr<const LoraAdapter>> load_lora_adapter(const std::string& 
   if (!fs::is_directory(dir, ec)) return not_found("adapter directory '{}' does not exist", dir);
   const std::string cfg_path = (fs::path(dir) / "adapter_config.json").string();
   const std::string st_path = (fs::path(dir) / "adapter_model.safetensors").string();
-  if (!fs::exists(cfg_path, ec)) return not_found("adapter directory '{}' has no adapter_config.json", dir);
-  if (!fs::exists(st_path, ec)) {
+  if (!fs::exists(fs::symlink_status(cfg_path, ec)))
+    return not_found("adapter directory '{}' has no adapter_config.json", dir);
+  if (!fs::exists(fs::symlink_status(st_path, ec))) {
     if (fs::exists(fs::path(dir) / "adapter_model.bin", ec))
       return unsupported("{} holds only adapter_model.bin: pickle files are code and are never loaded; save the "
                          "adapter as safetensors", dir);
     return not_found("adapter directory '{}' has no adapter_model.safetensors", dir);
   }
-  MOELORA_ASSIGN_OR_RETURN(std::string text, read_text_file(cfg_path, 16u << 20));
+  std::string root;
+  if (!opts.root.empty()) {
+    char real_root[PATH_MAX];
+    if (::realpath(opts.root.c_str(), real_root) == nullptr)
+      return not_found("--lora-root '{}' cannot be resolved", opts.root);
+    root = real_root;
+  }
+  AdapterFilesIdentity identity;
+  MOELORA_ASSIGN_OR_RETURN(std::string text, read_adapter_file(cfg_path, root, 16u << 20, &identity));
   MOELORA_ASSIGN_OR_RETURN(PeftConfig peft, parse_peft_config(text, cfg_path));
-  MOELORA_RETURN_IF_ERROR(check_added_tokens(dir, cfg));
-  MOELORA_ASSIGN_OR_RETURN(auto file, SafetensorsFile::open(st_path));
+  MOELORA_RETURN_IF_ERROR(check_added_tokens(dir, cfg, root, &identity));
+  MOELORA_ASSIGN_OR_RETURN(std::string weights, read_adapter_file(st_path, root, 64ull << 30, &identity));
+  auto parsed = SafetensorsFile::parse(std::make_shared<const std::string>(std::move(weights)), st_path);
+  if (!parsed.ok()) {
+    // The parser's messages quote values read from the file (a "header length" is its first
+    // eight bytes): the operator's log gets them, the caller only the verdict.
+    MOELORA_LOG_WARN("adapter '{}': {}", name, parsed.status().message());
+    return invalid_argument("{} is not a valid safetensors file", st_path);
+  }
+  std::shared_ptr<SafetensorsFile> file = std::move(parsed).value();
 
   std::map<std::string, ModuleTensors> modules;
   for (const auto& [key, entry] : file->entries()) {
@@ -364,8 +482,16 @@ Result<std::shared_ptr<const LoraAdapter>> load_lora_adapter(const std::string& 
   if (modules.empty()) return invalid_argument("{} holds no LoRA tensors", st_path);
   AdapterBuilder builder(cfg, peft, opts, st_path);
   builder.init(name, dir);
-  for (const auto& [module, mt] : modules) MOELORA_RETURN_IF_ERROR(builder.add_module(module, mt));
+  for (const auto& [module, mt] : modules) {
+    Status added = builder.add_module(module, mt);
+    // A pattern that hit the match limit was treated as not matching: that, not the rank
+    // mismatch it may have caused, is the error to report.
+    if (!peft.pattern_error.empty()) return invalid_argument("{}: {}", cfg_path, peft.pattern_error);
+    MOELORA_RETURN_IF_ERROR(added);
+  }
   MOELORA_ASSIGN_OR_RETURN(auto adapter, builder.finish());
+  if (!peft.pattern_error.empty()) return invalid_argument("{}: {}", cfg_path, peft.pattern_error);
+  adapter->identity = identity;
   return std::shared_ptr<const LoraAdapter>(adapter);
 }
 

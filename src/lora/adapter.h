@@ -5,6 +5,7 @@
 #pragma once
 
 #include <array>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -37,9 +38,19 @@ struct ExpertLora {
   bool any() const { return gu_rank > 0 || d_rank > 0; }
 };
 
+// What an adapter was read from: re-reads compare it, so changed files get a new identity
+// (and new prefix-cache keys) instead of being served under the old one.
+struct AdapterFilesIdentity {
+  uint64_t bytes = 0;     // all files read
+  int64_t mtime_ns = 0;   // the newest of them
+  uint64_t hash = 0;      // of their contents
+  bool operator==(const AdapterFilesIdentity&) const = default;
+};
+
 struct LoraAdapter {
   std::string name;
   std::string path;
+  AdapterFilesIdentity identity;
   std::vector<std::array<LoraFactor, kNumLoraTargets>> dense;  // [layer][target]
   std::vector<ExpertLora> experts;                             // [layer]
   int max_rank = 0;
@@ -49,10 +60,16 @@ struct LoraAdapter {
 
 struct AdapterLoadOptions {
   int max_rank = 256;
+  // When set, every file is opened only if its real path (symlinks resolved, checked again on
+  // the open descriptor) lies inside this folder. Files are always opened without following a
+  // final symlink swapped in after the check, without blocking (a FIFO fails at once), and
+  // only when they are regular files.
+  std::string root;
 };
 
 // Loads `dir` (adapter_config.json + adapter_model.safetensors) for a model with config `cfg`.
 // Every problem is a clear error naming the field, tensor or module; nothing is half-loaded.
+// Errors never quote file contents that are not a valid adapter (a header length, a JSON token).
 Result<std::shared_ptr<const LoraAdapter>> load_lora_adapter(const std::string& dir, const std::string& name,
                                                              const ModelConfig& cfg,
                                                              const AdapterLoadOptions& opts = {});

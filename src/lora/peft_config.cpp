@@ -76,24 +76,49 @@ Status refuse_variants(const OrderedJson& j, const std::string& what) {
 
 }  // namespace
 
-bool peft_pattern_matches(const std::string& key, const std::string& module) {
+bool peft_pattern_matches(const std::string& key, const std::string& module, bool* limit_hit) {
+  if (limit_hit) *limit_hit = false;
   auto c = compile_pattern(key, nullptr);
   if (!c) return false;
   pcre2_match_data* md = pcre2_match_data_create_from_pattern(c->code, nullptr);
-  const int rc = pcre2_match(c->code, reinterpret_cast<PCRE2_SPTR>(module.c_str()), module.size(), 0, 0, md, nullptr);
+  pcre2_match_context* ctx = pcre2_match_context_create(nullptr);
+  pcre2_set_match_limit(ctx, kPeftMatchLimit);
+  pcre2_set_depth_limit(ctx, kPeftDepthLimit);
+  const int rc = pcre2_match(c->code, reinterpret_cast<PCRE2_SPTR>(module.c_str()), module.size(), 0, 0, md, ctx);
+  pcre2_match_context_free(ctx);
   pcre2_match_data_free(md);
+  if (limit_hit && (rc == PCRE2_ERROR_MATCHLIMIT || rc == PCRE2_ERROR_DEPTHLIMIT || rc == PCRE2_ERROR_HEAPLIMIT))
+    *limit_hit = true;
   return rc >= 0;
 }
 
+namespace {
+template <typename Patterns>
+bool first_match(const Patterns& patterns, const char* field, const std::string& module, std::string* error,
+                 size_t* index) {
+  for (size_t i = 0; i < patterns.size(); ++i) {
+    bool limit = false;
+    if (peft_pattern_matches(patterns[i].first, module, &limit)) {
+      *index = i;
+      return true;
+    }
+    if (limit && error->empty())
+      *error = std::string(field) + " key \"" + patterns[i].first +
+               "\" is too costly to match (PCRE2 match limit reached on module '" + module + "')";
+  }
+  return false;
+}
+}  // namespace
+
 int PeftConfig::rank_for(const std::string& module) const {
-  for (const auto& [key, r] : rank_pattern)
-    if (peft_pattern_matches(key, module)) return r;
+  size_t i = 0;
+  if (first_match(rank_pattern, "rank_pattern", module, &pattern_error, &i)) return rank_pattern[i].second;
   return r;
 }
 
 double PeftConfig::alpha_for(const std::string& module) const {
-  for (const auto& [key, a] : alpha_pattern)
-    if (peft_pattern_matches(key, module)) return a;
+  size_t i = 0;
+  if (first_match(alpha_pattern, "alpha_pattern", module, &pattern_error, &i)) return alpha_pattern[i].second;
   return lora_alpha;
 }
 
@@ -137,6 +162,7 @@ Result<PeftConfig> parse_peft_config(const std::string& text, const std::string&
   if (alpha == j.end() || !alpha->is_number())
     return invalid_argument("{}: field \"lora_alpha\" must be a number", what);
   c.lora_alpha = alpha->get<double>();
+  if (!std::isfinite(c.lora_alpha)) return invalid_argument("{}: field \"lora_alpha\" must be finite", what);
   if (auto rs = j.find("use_rslora"); rs != j.end() && !rs->is_null()) {
     if (!rs->is_boolean()) return invalid_argument("{}: field \"use_rslora\" must be true or false", what);
     c.use_rslora = rs->get<bool>();
@@ -145,16 +171,22 @@ Result<PeftConfig> parse_peft_config(const std::string& text, const std::string&
     auto p = j.find(field);
     if (p == j.end() || p->is_null()) return {};
     if (!p->is_object()) return invalid_argument("{}: field \"{}\" must be an object", what, field);
+    if (p->size() > kPeftMaxPatterns)
+      return invalid_argument("{}: field \"{}\" has {} keys; at most {} are accepted", what, field, p->size(),
+                              kPeftMaxPatterns);
     for (auto it = p->begin(); it != p->end(); ++it) {
       std::string err;
+      if (it.key().size() > kPeftMaxPatternBytes)
+        return invalid_argument("{}: a {} key is {} bytes long; at most {} are accepted", what, field, it.key().size(),
+                                kPeftMaxPatternBytes);
       if (!compile_pattern(it.key(), &err))
         return invalid_argument("{}: {} key \"{}\" is not a valid regex: {}", what, field, it.key(), err);
       if (integer) {
-        if (!it.value().is_number() || it.value().get<double>() <= 0 ||
+        if (!it.value().is_number() || it.value().get<double>() <= 0 || it.value().get<double>() > 65536 ||
             it.value().get<double>() != std::floor(it.value().get<double>()))
           return invalid_argument("{}: {}[\"{}\"] must be a positive integer", what, field, it.key());
-      } else if (!it.value().is_number()) {
-        return invalid_argument("{}: {}[\"{}\"] must be a number", what, field, it.key());
+      } else if (!it.value().is_number() || !std::isfinite(it.value().get<double>())) {
+        return invalid_argument("{}: {}[\"{}\"] must be a finite number", what, field, it.key());
       }
       out.emplace_back(it.key(), it.value().template get<double>());
     }

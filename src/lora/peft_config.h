@@ -3,6 +3,7 @@
 // inference math in a way moelora does not implement.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,6 +20,9 @@ struct PeftConfig {
   std::vector<std::pair<std::string, int>> rank_pattern;
   std::vector<std::pair<std::string, double>> alpha_pattern;
   std::vector<std::string> target_parameters;  // PEFT >= 0.17 fused expert parameters, in order
+  // Set when a pattern hit PCRE2's match or depth limit while rank_for / alpha_for ran (the
+  // pattern is then treated as not matching); the loader refuses the adapter when it is set.
+  mutable std::string pattern_error;
 
   // Rank and alpha for a module's full name ("model.layers.0.self_attn.q_proj", or for a fused
   // expert parameter "model.layers.0.mlp.experts.gate_up_proj").
@@ -32,6 +36,13 @@ Result<PeftConfig> parse_peft_config(const std::string& text, const std::string&
 
 // PEFT's pattern rule: does `key` (a Python-style regex) match the whole module name, optionally
 // preceded by "<anything>."? Invalid regexes are an error (reported by parse_peft_config).
-bool peft_pattern_matches(const std::string& key, const std::string& module);
+// Matching is bounded (kPeftMatchLimit backtracking steps, kPeftDepthLimit nesting): a
+// pathological pattern fails fast instead of running for minutes. `limit_hit` (optional) tells.
+bool peft_pattern_matches(const std::string& key, const std::string& module, bool* limit_hit = nullptr);
+
+inline constexpr uint32_t kPeftMatchLimit = 100000;
+inline constexpr uint32_t kPeftDepthLimit = 1000;
+inline constexpr size_t kPeftMaxPatternBytes = 1024;
+inline constexpr size_t kPeftMaxPatterns = 4096;
 
 }  // namespace moelora

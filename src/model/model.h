@@ -1,5 +1,6 @@
-// A model is a config, its weights on a backend and one forward function (shared by every
-// architecture; it branches on the config for GQA vs MLA and dense vs MoE layers).
+// A model is a config and its weights on one backend. Its forward pass is forward_body
+// (forward_pass.h, shared by every architecture and by the ranks of a sharded model) with the
+// single-device ParallelContext; this class adds the step bookkeeping (graph capture / replay).
 #pragma once
 
 #include <memory>
@@ -33,16 +34,14 @@ class Model {
   std::vector<KvLayer> alloc_kv_cache(int num_pages, int page_size) const;
 
   // Runs one step of the batch (prefill chunks and decode tokens mixed) and returns the logits
-  // of batch.logit_rows as a host float32 tensor [rows, vocab]. `lora` may be null (no adapters).
+  // of batch.logit_rows as a backend float32 tensor [rows, vocab], valid until the backend's next
+  // step (the engine samples from it on the device). `lora` may be null (no adapters).
+  Tensor forward_logits(const StepBatch& batch, std::vector<KvLayer>& kv, const LoraTables* lora);
+  // forward_logits copied to a host float32 tensor (verify, tests).
   Tensor forward(const StepBatch& batch, std::vector<KvLayer>& kv, const LoraTables* lora);
 
  private:
   Model(ModelConfig cfg, std::string dir, Backend& backend) : cfg_(std::move(cfg)), dir_(std::move(dir)), backend_(backend) {}
-  Tensor forward_body(const StepBatch& batch, std::vector<KvLayer>& kv, const LoraTables* lora);
-  Tensor attention_gqa(int layer, const Tensor& x, KvLayer& kv, const LayerLoraTables* lora);
-  Tensor attention_mla(int layer, const Tensor& x, KvLayer& kv, const LayerLoraTables* lora);
-  Tensor mlp(const MlpWeights& w, const Tensor& x, const LayerLoraTables* lora, bool shared);
-  Tensor moe(int layer, const Tensor& x, const LayerLoraTables* lora);
 
   ModelConfig cfg_;
   std::string dir_;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "ops/sampling.h"
 #include "ops/types.h"
 
 namespace moelora {
@@ -118,6 +119,41 @@ class Backend {
                             Tensor k, Tensor v) = 0;
   // Copies a backend tensor to a new host f32 tensor (synchronous).
   virtual Tensor to_host_f32(const Tensor& t) = 0;
+
+  // ---- Sampling (after a step, outside graphs; synchronous: returns the host results).
+  // One token for each row r of `logits` [rows.size(), vocab] f32 (ops/sampling.h has the math):
+  //  1. processed logits p_i = apply_edit(raw_i, edit) for tokens with an edit, raw_i otherwise;
+  //     with restrict_to_allowed, tokens without an `allowed` edit are -inf.
+  //  2. the order: tokens by (order_key(p_i) desc, id asc); `first` is its first token.
+  //  3. temperature <= 0: token = first. Otherwise, with T = temperature, pmax = max p_i,
+  //     q_i = mass_q32(p_i, pmax, 1/T): keep the first top_k tokens of the order (top_k > 0); then
+  //     the shortest prefix of those whose q-sum S has (double)S >= (double)top_p * (double)Z,
+  //     Z = their q-sum (top_p < 1); then only tokens with (double)q_i >= (double)min_p * 2^32
+  //     (min_p > 0). token = the kept token with the largest gumbel_key(p_i, 1/T, seed, step, i)
+  //     (ties: lower id) among kept tokens with a finite p_i; if there is none, token = first.
+  //  4. logprob = raw_token - logsumexp(raw); top_logprobs = the first `logprobs` tokens by
+  //     (raw desc, id asc) with their log-softmax (raw: before processing and temperature).
+  virtual std::vector<SampleOutput> sample(const Tensor& logits, const std::vector<SampleRow>& rows) = 0;
+  // Seconds the calling thread spent blocked on the device since the last call (0 on the CPU):
+  // a step's wall time minus this is its host time.
+  virtual double take_device_wait_seconds() { return 0.0; }
+
+  // ---- Start-up memory sizing (runtime/memory_plan.h). Backends without device memory keep the
+  // defaults (no device memory to report, nothing to fit).
+  virtual bool device_memory(size_t* free, size_t* total) { return false; }
+  // Largest scratch a step has taken since the last fit_scratch, and resizing the scratch to
+  // `bytes` (between steps; drops anything captured against the old one).
+  virtual size_t scratch_peak_bytes() const { return 0; }
+  virtual void fit_scratch(size_t bytes) {}
+  // Allocates now the sampling buffers `rows` rows of `vocab` logits need.
+  virtual void reserve_sampling(int rows, int vocab) {}
+
+  // ---- Measuring (benchmarks): what the device is, waiting for it, and timing device work
+  // between two marks on the device's own clock (< 0 where the backend has none).
+  virtual std::string device_description() const { return name(); }
+  virtual void synchronize() {}
+  virtual void device_timer_begin() {}
+  virtual double device_timer_end_us() { return -1.0; }
 };
 
 }  // namespace moelora

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "core/tensor.h"
@@ -55,6 +56,11 @@ struct LoraModuleTable {
   std::vector<int> host_rank;
 };
 
+// Makes the tensors of a table with a backend's allocator (zeroed [n] tensors of a dtype), so
+// every backend lays tables out the same way.
+using TableAlloc = std::function<Tensor(DType dtype, int64_t n)>;
+LoraModuleTable make_lora_table(int num_slots, int in, int out, const TableAlloc& alloc);
+
 // Routed-expert LoRA of one MoE layer across slots. For slot s and expert e:
 //   gate_up: A = gu_a[s] + e * gu_a_expert_stride[s]   ([r_gu, H]; stride 0 = shared by experts)
 //            B = gu_b[s] + e * gu_b_expert_stride[s]   ([2I, r_gu])
@@ -72,6 +78,8 @@ struct MoeLoraTable {
   Tensor gu_rank, d_rank;  // I32 [num_slots]
   std::vector<int> host_gu_rank, host_d_rank;
 };
+
+MoeLoraTable make_moe_lora_table(int num_slots, int num_experts, int hidden, int intermediate, const TableAlloc& alloc);
 
 // Paged KV cache of one layer: page p holds `page_size` consecutive positions of one sequence.
 struct KvLayer {

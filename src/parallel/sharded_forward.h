@@ -1,6 +1,7 @@
 // A model's forward pass split over tp x ep ranks, executed on the CPU: every rank is a thread
 // with its own CpuBackend, its share of the weights and adapters (sharding.h), its own KV cache
-// and LoRA slot pool, and FakeCommunicator groups (the world, and its tensor-parallel group).
+// and LoRA slot pool, and FakeCommunicator groups (the world, and its tensor-parallel group); it
+// runs the model's one forward body (model/forward_pass.h) with a ShardedContext (sharded_context.h).
 // It is the executable statement of the multi-GPU design: the same per-rank program would run as
 // one process per GPU with NCCL communicators (docs/multi_gpu.md). Tests compare its logits with
 // the single-device Model::forward.

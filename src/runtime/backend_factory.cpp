@@ -8,14 +8,6 @@
 
 namespace moelora {
 
-std::vector<std::string> available_backends() {
-#ifdef MOELORA_HAVE_CUDA
-  return {"cpu", "cpu-bf16", "cuda"};
-#else
-  return {"cpu", "cpu-bf16"};
-#endif
-}
-
 Result<std::unique_ptr<Backend>> make_backend(const BackendOptions& opts) {
   if (opts.name == "cpu") return std::unique_ptr<Backend>(std::make_unique<CpuBackend>());
   if (opts.name == "cpu-bf16") return std::unique_ptr<Backend>(std::make_unique<CpuBackend>(/*bf16_activations=*/true));

@@ -17,6 +17,5 @@ struct BackendOptions {
 };
 
 Result<std::unique_ptr<Backend>> make_backend(const BackendOptions& opts);
-std::vector<std::string> available_backends();
 
 }  // namespace moelora

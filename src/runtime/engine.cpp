@@ -13,6 +13,7 @@
 #include "lora/slot_pool.h"
 #include "model/model.h"
 #include "runtime/kv_cache_manager.h"
+#include "runtime/memory_plan.h"
 #include "runtime/sampler.h"
 #include "runtime/scheduler.h"
 
@@ -31,25 +32,67 @@ const char* finish_reason_name(FinishReason r) {
 
 namespace {
 
-int derive_kv_pages(const EngineOptions& o, const ModelConfig& c, int max_len, DType act) {
-  if (o.kv_num_pages > 0) return o.kv_num_pages;
-  const int per_seq = (max_len + o.kv_page_size - 1) / o.kv_page_size;
-  const size_t page_bytes = static_cast<size_t>(c.num_layers) * o.kv_page_size * c.attn_kv_heads() *
-                            (c.attn_k_head_dim() + c.attn_v_head_dim()) * dtype_size(act);
-  const size_t wanted = static_cast<size_t>(per_seq) * o.max_num_seqs;
-  const size_t cap = std::max<size_t>(per_seq, o.kv_cache_bytes / page_bytes);
-  return static_cast<int>(std::min(wanted, cap));
+double gib(size_t b) { return static_cast<double>(b) / (1ull << 30); }
+
+// The largest step the scheduler can form: max_batch_tokens prefill tokens spread over as many
+// sequences as may sample at once, every one asking for logits. Run once eagerly at start-up so
+// the backend's scratch and sampling buffers reach the size serving will need.
+size_t warm_up_largest_step(Model& model, Backend& backend, const EngineOptions& o) {
+  const ModelConfig& c = model.config();
+  const int T = o.max_batch_tokens, S = std::max(1, std::min(o.max_num_seqs, T));
+  const int per_seq = (T + S - 1) / S, pages_per_seq = (per_seq + o.kv_page_size - 1) / o.kv_page_size;
+  std::vector<KvLayer> kv = model.alloc_kv_cache(S * pages_per_seq, o.kv_page_size);
+  StepBatch b;
+  for (int s = 0, t = 0; s < S && t < T; ++s) {
+    std::vector<int32_t> pages;
+    for (int p = 0; p < pages_per_seq; ++p) pages.push_back(s * pages_per_seq + p);
+    b.seq_pages.push_back(pages);
+    for (int i = 0; i < per_seq && t < T; ++i, ++t) {
+      b.token_ids.push_back(t % c.vocab_size);
+      b.positions.push_back(i);
+      b.token_seq.push_back(s);
+      b.token_slot.push_back(-1);
+    }
+    b.logit_rows.push_back(b.num_tokens() - 1);
+  }
+  backend.reserve_sampling(static_cast<int>(b.logit_rows.size()), c.vocab_size);
+  Tensor logits = model.forward_logits(b, kv, nullptr);
+  std::vector<SampleRow> rows(b.logit_rows.size());
+  (void)backend.sample(logits, rows);
+  const size_t peak = backend.scratch_peak_bytes();
+  // Room above the measured peak for what the warm-up did not exercise (LoRA plans and
+  // shrink/expand scratch of adapter tokens: small next to the activations).
+  backend.fit_scratch(peak + peak / 4 + (64u << 20));
+  return peak;
 }
 
-Status validate_sampling(const SamplingParams& p) {
-  if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature))
-    return invalid_argument("temperature must be a finite number >= 0, got {}", p.temperature);
-  if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) return invalid_argument("top_p must be in (0, 1], got {}", p.top_p);
-  if (p.top_k < 0) return invalid_argument("top_k must be >= 0 (0 disables it), got {}", p.top_k);
-  if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) return invalid_argument("min_p must be in [0, 1], got {}", p.min_p);
-  if (p.max_tokens < 1) return invalid_argument("max_tokens must be at least 1, got {}", p.max_tokens);
-  if (p.logprobs < 0 || p.logprobs > 20) return invalid_argument("logprobs must be in [0, 20], got {}", p.logprobs);
-  return {};
+// KV pages: from the device's memory where the backend has one, else as many as max_num_seqs
+// full-length sequences need within kv_cache_bytes.
+Result<int> size_kv_cache(Model& model, Backend& backend, const EngineOptions& o, int max_len) {
+  const ModelConfig& c = model.config();
+  const int per_seq = (max_len + o.kv_page_size - 1) / o.kv_page_size;
+  const size_t page_bytes = kv_page_bytes(c, o.kv_page_size, dtype_size(backend.act_dtype()));
+  size_t free = 0, total = 0;
+  if (!backend.device_memory(&free, &total)) {
+    if (o.kv_num_pages > 0) return o.kv_num_pages;
+    const size_t wanted = static_cast<size_t>(per_seq) * o.max_num_seqs;
+    const size_t cap = std::max<size_t>(per_seq, o.kv_cache_bytes / page_bytes);
+    return static_cast<int>(std::min(wanted, cap));
+  }
+  const size_t scratch = warm_up_largest_step(model, backend, o);
+  if (!backend.device_memory(&free, &total)) return make_error(ErrorCode::kInternal, "device memory unreadable");
+  MemoryInputs in;
+  in.device_total = total;
+  in.device_free = free;
+  in.utilization = o.gpu_memory_utilization;
+  in.adapter_reserve = static_cast<size_t>(o.max_loras_per_batch) * adapter_slot_bytes(c, o.max_lora_rank);
+  in.page_bytes = page_bytes;
+  in.pages_per_sequence = per_seq;
+  in.kv_pages_override = o.kv_num_pages;
+  MOELORA_ASSIGN_OR_RETURN(MemoryPlan plan, plan_memory(in));
+  MOELORA_LOG_INFO("{}; step scratch {:.2f} GiB; KV holds {} tokens", plan.summary, gib(scratch),
+                   static_cast<int64_t>(plan.kv_pages) * o.kv_page_size);
+  return plan.kv_pages;
 }
 
 }  // namespace
@@ -114,6 +157,7 @@ struct Engine::Impl {
     for (;;) {
       std::vector<Delivery> deliveries;
       ScheduledStep step;
+      std::chrono::steady_clock::time_point t_begin;
       {
         std::unique_lock<std::mutex> lk(mu);
         cv.wait(lk, [&] {
@@ -121,6 +165,7 @@ struct Engine::Impl {
                  scheduler->num_waiting() > 0;
         });
         if (stopping) break;
+        t_begin = std::chrono::steady_clock::now();
         while (!tasks.empty()) {
           auto t = std::move(tasks.front());
           tasks.pop_front();
@@ -145,16 +190,27 @@ struct Engine::Impl {
         for (auto& [s, st] : failed) finish(std::move(s), FinishReason::kError, st, &deliveries);
       }
       if (step.batch.num_tokens() > 0) {
-        // The forward pass runs without the lock: submit/cancel/stats stay responsive.
-        Tensor logits = model->forward(step.batch, kv, &slots->tables());
+        // The forward pass and sampling run without the lock: submit/cancel/stats stay
+        // responsive. Only this thread changes sequences, so reading them here is safe.
+        Tensor logits = model->forward_logits(step.batch, kv, &slots->tables());
+        std::vector<SampleRow> rows;
+        rows.reserve(step.samplers.size());
+        const ModelConfig& cfg = model->config();
+        for (Sequence* s : step.samplers)
+          rows.push_back(make_sample_row(s->req.sampling, s->seed, s->tokens, s->prompt_len, cfg.eos_token_ids,
+                                         cfg.vocab_size));
+        std::vector<SampleOutput> sampled = backend->sample(logits, rows);
+        const auto t_end = std::chrono::steady_clock::now();
+        const double wall = std::chrono::duration<double>(t_end - t_begin).count();
+        const double wait = backend->take_device_wait_seconds();
         std::lock_guard<std::mutex> lk(mu);
         scheduler->step_done(step);
         counters.steps_total++;
-        const int V = model->config().vocab_size;
+        counters.step_seconds_total += wall;
+        counters.step_host_seconds_total += std::max(0.0, wall - wait);
         for (size_t r = 0; r < step.samplers.size(); ++r) {
           Sequence* s = step.samplers[r];
-          const float* row = logits.ptr<float>() + static_cast<int64_t>(r) * V;
-          SampleResult sr = sample_token(row, V, s->req.sampling, s->rng);
+          SampleOutput& sr = sampled[r];
           s->tokens.push_back(sr.token);
           counters.generation_tokens_total++;
           RequestOutput o;
@@ -220,7 +276,7 @@ Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Backend> backend,
   impl->opts = opts;
   const ModelConfig& cfg = model->config();
   impl->max_len = opts.max_model_len > 0 ? opts.max_model_len : cfg.max_position_embeddings;
-  const int num_pages = derive_kv_pages(opts, cfg, impl->max_len, backend->act_dtype());
+  MOELORA_ASSIGN_OR_RETURN(const int num_pages, size_kv_cache(*model, *backend, opts, impl->max_len));
   impl->kv = model->alloc_kv_cache(num_pages, opts.kv_page_size);
   impl->pages = std::make_unique<KvCacheManager>(num_pages, opts.kv_page_size, opts.enable_prefix_cache);
   impl->slots = std::make_unique<LoraSlotPool>(cfg, *backend, opts.max_loras_per_batch);
@@ -244,9 +300,9 @@ int Engine::max_model_len() const { return impl_->max_len; }
 
 Status Engine::submit(GenerationRequest req, OutputCallback on_output) {
   Impl& m = *impl_;
-  MOELORA_RETURN_IF_ERROR(validate_sampling(req.sampling));
-  if (req.prompt.empty()) return invalid_argument("the prompt is empty");
   const int V = m.model->config().vocab_size;
+  MOELORA_RETURN_IF_ERROR(validate_sampling(req.sampling, V));
+  if (req.prompt.empty()) return invalid_argument("the prompt is empty");
   for (int32_t t : req.prompt)
     if (t < 0 || t >= V) return invalid_argument("token id {} is outside the vocabulary (0..{})", t, V - 1);
   const int total = static_cast<int>(req.prompt.size()) + req.sampling.max_tokens;
@@ -258,11 +314,28 @@ Status Engine::submit(GenerationRequest req, OutputCallback on_output) {
   if (pages_needed > m.pages->total_pages())
     return make_error(ErrorCode::kInvalidArgument, "the request needs {} KV pages but the cache has {}", pages_needed,
                       m.pages->total_pages());
+  if (!req.adapter.empty()) {
+    // An adapter dropped from host memory is read back here, on the submitting thread and
+    // without the lock, so the engine thread never reads files between steps.
+    std::optional<AdapterRegistry::RereadTicket> ticket;
+    {
+      std::lock_guard<std::mutex> lk(m.mu);
+      ticket = m.registry->needs_reread(req.adapter);
+    }
+    if (ticket) {
+      auto adapter = m.registry->reread(req.adapter, *ticket);
+      std::lock_guard<std::mutex> lk(m.mu);
+      MOELORA_RETURN_IF_ERROR(m.registry->finish_reread(req.adapter, *ticket, std::move(adapter)));
+    }
+  }
   auto s = std::make_unique<Sequence>();
   s->tokens = req.prompt;
   s->prompt_len = static_cast<int>(req.prompt.size());
   s->on_output = std::move(on_output);
   s->submitted = std::chrono::steady_clock::now();
+  // cache_salt: a salted base-model request keys the prefix cache under its own namespace. (An
+  // adapter request's namespace is set at admission, in Scheduler::admit_adapter.)
+  if (!req.cache_salt.empty()) s->adapter_id = prefix_namespace(0, req.cache_salt);
   {
     std::lock_guard<std::mutex> lk(m.mu);
     if (m.stopping) return make_error(ErrorCode::kFailedPrecondition, "the engine is shutting down");
@@ -272,7 +345,7 @@ Status Engine::submit(GenerationRequest req, OutputCallback on_output) {
     if (static_cast<int>(m.incoming.size()) + m.scheduler->num_waiting() >= m.opts.max_waiting)
       return make_error(ErrorCode::kResourceExhausted, "the server is overloaded: {} requests are waiting",
                         m.opts.max_waiting);
-    s->rng.seed(req.sampling.seed ? *req.sampling.seed : m.seed_source());
+    s->seed = req.sampling.seed ? *req.sampling.seed : m.seed_source();
     s->arrival = ++m.arrivals;
     if (!req.adapter.empty()) m.registry->add_user(req.adapter, +1);
     m.live_ids.insert(req.id);
@@ -294,12 +367,31 @@ void Engine::cancel(const std::string& request_id) {
 }
 
 Status Engine::load_adapter(const std::string& name, const std::string& path, bool pinned) {
+  return load_adapter(name, path, AdapterLoadSpec{pinned, false, impl_->opts.lora_root});
+}
+
+Status Engine::load_adapter(const std::string& name, const std::string& path, const AdapterLoadSpec& spec) {
   Impl& m = *impl_;
+  {
+    std::lock_guard<std::mutex> lk(m.mu);
+    if (m.draining.count(name))
+      return make_error(ErrorCode::kFailedPrecondition, "adapter '{}' is being unloaded", name);
+    if (!spec.replace && m.registry->contains(name))
+      return make_error(ErrorCode::kAlreadyExists, "an adapter named '{}' is already loaded", name);
+  }
+  // Read and validated without the lock: a slow disk (or a hostile file) delays this call only,
+  // never a step or another request.
+  MOELORA_ASSIGN_OR_RETURN(AdapterRegistry::Prepared prepared, m.registry->prepare(name, path, spec.root));
   std::lock_guard<std::mutex> lk(m.mu);
-  // Loading reads and validates the files under the lock: simple, and loads are rare.
   if (m.draining.count(name))
     return make_error(ErrorCode::kFailedPrecondition, "adapter '{}' is being unloaded", name);
-  return m.registry->load(name, path, pinned);
+  // The scheduler reads the registry under this lock, so the swap happens between steps.
+  return m.registry->commit(name, std::move(prepared), spec.pinned, spec.replace);
+}
+
+Status Engine::add_adapter(const std::string& name, std::shared_ptr<const LoraAdapter> adapter) {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->registry->add_in_memory(name, std::move(adapter));
 }
 
 Status Engine::unload_adapter(const std::string& name, bool wait) {

@@ -17,6 +17,7 @@ namespace moelora {
 
 class Backend;
 class Model;
+struct LoraAdapter;
 
 struct SamplingParams {
   float temperature = 1.0f;  // 0 = greedy
@@ -28,6 +29,14 @@ struct SamplingParams {
   std::vector<int32_t> stop_token_ids;  // in addition to the model's EOS ids
   bool ignore_eos = false;
   int logprobs = 0;          // how many top alternatives to report per token (0 = none)
+  // Logit processors (vLLM's semantics; runtime/sampler.h states the order and the math).
+  float presence_penalty = 0.0f;    // [-2, 2]: subtracted once from tokens already generated
+  float frequency_penalty = 0.0f;   // [-2, 2]: subtracted per occurrence in the generated tokens
+  float repetition_penalty = 1.0f;  // (0, 2]: tokens of prompt or output: logit / p if > 0, else * p
+  int min_tokens = 0;               // EOS and stop ids are banned until this many were generated
+  std::vector<std::pair<int32_t, float>> logit_bias;  // token -> bias added to its logit, [-100, 100]
+  std::vector<int32_t> allowed_token_ids;             // non-empty: every other token is banned
+  std::vector<std::vector<int32_t>> bad_words;        // token sequences that are never completed
 };
 
 struct GenerationRequest {
@@ -35,6 +44,9 @@ struct GenerationRequest {
   std::vector<int32_t> prompt;
   std::string adapter;           // "" = base model
   SamplingParams sampling;
+  // vLLM's cache_salt: prefix-cache entries are shared only between requests with the same salt
+  // (and adapter), so one tenant cannot learn from cached_tokens what another one sent.
+  std::string cache_salt;
 };
 
 enum class FinishReason { kNone, kStop, kLength, kCancelled, kError };
@@ -64,8 +76,13 @@ struct EngineOptions {
   int max_num_seqs = 64;          // running sequences at most
   int max_batch_tokens = 2048;    // tokens per step (chunked prefill splits longer prompts)
   int kv_page_size = 16;
-  int kv_num_pages = 0;           // 0 = enough for max_num_seqs full-length sequences, within kv_cache_bytes
-  size_t kv_cache_bytes = 4ull << 30;  // cap on the KV cache when kv_num_pages is derived
+  int kv_num_pages = 0;           // > 0: exactly this many KV pages
+  // Backends with device memory (CUDA): the KV cache gets what is left of this fraction of the
+  // device after weights, the step scratch (sized by a warm-up step) and adapter slots
+  // (runtime/memory_plan.h). Others: enough for max_num_seqs full-length sequences within
+  // kv_cache_bytes.
+  double gpu_memory_utilization = 0.90;
+  size_t kv_cache_bytes = 4ull << 30;
   int max_model_len = 0;          // 0 = the model's max_position_embeddings
   int max_loras_per_batch = 8;    // adapter slots on the backend
   int max_loaded_loras = 32;      // adapters kept on the host (LRU beyond that)
@@ -102,6 +119,15 @@ struct EngineStats {
   uint64_t prefix_cache_hits_total = 0;     // prompt tokens found
   uint64_t requests_finished_total = 0;
   uint64_t steps_total = 0;
+  double step_seconds_total = 0;       // wall time of steps (schedule -> sampled tokens)
+  double step_host_seconds_total = 0;  // of which the engine thread was not waiting for the device
+};
+
+struct AdapterLoadSpec {
+  bool pinned = false;   // never dropped from host memory
+  bool replace = false;  // load_inplace: the new version replaces a loaded one atomically once it
+                         // validated (a failed load leaves the old one serving)
+  std::string root;      // every file must resolve inside it, at load and every re-read ("" = anywhere)
 };
 
 class Engine {
@@ -123,7 +149,12 @@ class Engine {
   void cancel(const std::string& request_id);
 
   // Adapters (any thread). load: host-side load + validation; errors leave everything unchanged.
+  // Files are read and validated without the engine's lock (steps keep running); the result is
+  // swapped in between steps. This overload confines files to EngineOptions::lora_root.
   Status load_adapter(const std::string& name, const std::string& path, bool pinned = false);
+  Status load_adapter(const std::string& name, const std::string& path, const AdapterLoadSpec& spec);
+  // An adapter made in memory (benchmarks: lora/random_adapter.h), pinned: it has no files.
+  Status add_adapter(const std::string& name, std::shared_ptr<const LoraAdapter> adapter);
   // Refuses (FailedPrecondition) while requests use the adapter unless `wait` is set, in which
   // case new requests are refused and the call returns once the running ones finish.
   Status unload_adapter(const std::string& name, bool wait = false);

@@ -1,5 +1,7 @@
 #include "runtime/kv_cache_manager.h"
 
+#include <random>
+
 #include <algorithm>
 
 #include "core/check.h"
@@ -48,6 +50,21 @@ void KvCacheManager::drop_cached(int page) {
     in_lru_[page] = false;
   }
   release(page);  // the cache's own reference
+}
+
+uint64_t prefix_namespace(uint64_t adapter_generation, const std::string& cache_salt) {
+  if (cache_salt.empty()) return adapter_generation;
+  static const uint64_t key = std::random_device{}() * 0x9e3779b97f4a7c15ull ^ std::random_device{}();
+  uint64_t h = 1469598103934665603ull ^ key;
+  auto mix = [&h](uint64_t v) {
+    h ^= v;
+    h *= 0x100000001b3ull;
+    h ^= h >> 29;
+  };
+  mix(adapter_generation);
+  for (unsigned char c : cache_salt) mix(c);
+  mix(cache_salt.size());
+  return h | (1ull << 63);
 }
 
 uint64_t KvCacheManager::block_key(uint64_t parent, uint64_t adapter_id, const int32_t* tokens, int n) {

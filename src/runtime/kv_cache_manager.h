@@ -8,10 +8,18 @@
 #include <cstdint>
 #include <list>
 #include <optional>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
 namespace moelora {
+
+// The prefix-cache namespace of a request: its adapter's load generation (0 = base model) and,
+// with vLLM's cache_salt, the salt. Requests share cached pages only within one namespace, so a
+// tenant that salts its requests cannot learn from cached_tokens what other tenants sent.
+// Salted namespaces are keyed hashes (a per-process random key, top bit set): they cannot be
+// computed offline nor equal an unsalted generation.
+uint64_t prefix_namespace(uint64_t adapter_generation, const std::string& cache_salt);
 
 class KvCacheManager {
  public:

@@ -1,24 +1,28 @@
-// Token sampling from one row of logits. Each request owns its random generator, seeded from
-// its `seed`, so a request's tokens never depend on what else shares its batch.
+// The host half of sampling: a request's SamplingParams and its tokens so far become the SampleRow
+// that Backend::sample reads (ops/sampling.h): the logit processors as sparse per-token edits.
+// Tokens depend only on the request (its seed, its own tokens, its step), never on the batch.
 #pragma once
 
 #include <cstdint>
-#include <random>
 #include <vector>
 
+#include "ops/sampling.h"
 #include "runtime/engine.h"
 
 namespace moelora {
 
-struct SampleResult {
-  int32_t token = 0;
-  float logprob = 0;  // log-softmax of the raw logits (temperature 1) at the chosen token
-  std::vector<std::pair<int32_t, float>> top_logprobs;
-};
+// `tokens` = prompt + generated (the first `prompt_len` are the prompt); `eos_ids` the model's.
+// Edits, in vLLM's meaning:
+//  - logit_bias: bias of the token;  allowed_token_ids: restrict_to_allowed + `allowed` edits;
+//  - min_tokens: while fewer were generated, the EOS ids (unless ignore_eos) and stop_token_ids
+//    are banned;  bad_words: a one-token word is always banned; a longer one bans its last token
+//    when the generated tokens end with the rest of it;
+//  - repetition_penalty != 1: in_context for every token of prompt and output;
+//  - frequency/presence != 0: out_count of every generated token.
+SampleRow make_sample_row(const SamplingParams& p, uint64_t seed, const std::vector<int32_t>& tokens, int prompt_len,
+                          const std::vector<int>& eos_ids, int vocab);
 
-// temperature 0: argmax (lowest id on ties). Otherwise softmax(logits / T), then top-k, top-p
-// (smallest set of most likely tokens whose mass reaches p), min-p (drop tokens below
-// min_p * max prob), renormalise, draw one token with `rng`.
-SampleResult sample_token(const float* logits, int vocab, const SamplingParams& p, std::mt19937_64& rng);
+// Checks a request's sampling values against the vocabulary (ranges as vLLM's).
+Status validate_sampling(const SamplingParams& p, int vocab);
 
 }  // namespace moelora

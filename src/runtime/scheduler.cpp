@@ -49,10 +49,12 @@ void Scheduler::preempt_youngest(const Sequence* keep) {
 
 Status Scheduler::admit_adapter(Sequence& s) {
   if (s.req.adapter.empty()) return {};
+  // The prefix-cache key is fixed with the weights: a sequence preempted across an in-place reload
+  // keeps its old weights and must keep their key too. cache_salt separates users' prefixes.
   if (!s.adapter) {
     MOELORA_ASSIGN_OR_RETURN(s.adapter, registry_.get(s.req.adapter));
+    s.adapter_id = prefix_namespace(registry_.generation(s.req.adapter), s.req.cache_salt);
   }
-  s.adapter_id = registry_.generation(s.req.adapter);
   MOELORA_ASSIGN_OR_RETURN(s.slot, slots_.acquire(s.adapter));
   return {};
 }
@@ -60,6 +62,10 @@ Status Scheduler::admit_adapter(Sequence& s) {
 ScheduledStep Scheduler::schedule(std::vector<std::pair<std::unique_ptr<Sequence>, Status>>* failed) {
   ScheduledStep step;
   int budget = opts_.max_batch_tokens;
+  // Planning can preempt sequences it already looked at; this tells whether one still runs.
+  auto running = [this](const Sequence* s) {
+    return std::any_of(running_.begin(), running_.end(), [s](const auto& r) { return r.get() == s; });
+  };
   std::vector<std::pair<Sequence*, int>> plan;  // (sequence, new tokens)
 
   // 1. Running sequences: decodes first (one token), then prefill chunks.
@@ -72,16 +78,14 @@ ScheduledStep Scheduler::schedule(std::vector<std::pair<std::unique_ptr<Sequence
   });
   for (size_t i = 0; i < order.size(); ++i) {
     Sequence* s = order[i];
-    if (std::find_if(running_.begin(), running_.end(), [&](const auto& r) { return r.get() == s; }) == running_.end())
-      continue;  // preempted below to make room for an older one
+    if (!running(s)) continue;  // preempted below to make room for an older one
     const int remaining = static_cast<int>(s->tokens.size()) - s->num_computed;
     const int n = std::min(remaining, budget);
     if (n <= 0) continue;
     bool ok = ensure_pages(*s, s->num_computed + n);
     while (!ok && running_.size() > 1) {
       preempt_youngest(s);
-      if (std::find_if(running_.begin(), running_.end(), [&](const auto& r) { return r.get() == s; }) == running_.end())
-        break;
+      if (!running(s)) break;
       ok = ensure_pages(*s, s->num_computed + n);
     }
     if (!ok) {
@@ -100,13 +104,7 @@ ScheduledStep Scheduler::schedule(std::vector<std::pair<std::unique_ptr<Sequence
     budget -= n;
   }
   // Drop plan entries of sequences preempted after they were planned.
-  plan.erase(std::remove_if(plan.begin(), plan.end(),
-                            [&](const auto& e) {
-                              return std::find_if(running_.begin(), running_.end(), [&](const auto& r) {
-                                       return r.get() == e.first;
-                                     }) == running_.end();
-                            }),
-             plan.end());
+  plan.erase(std::remove_if(plan.begin(), plan.end(), [&](const auto& e) { return !running(e.first); }), plan.end());
 
   // 2. Admit waiting requests (FCFS). Adapter slots go out in arrival order: once a request
   // waits for a slot, younger adapter requests wait too, even for an adapter that is resident;

@@ -30,7 +30,7 @@ struct Sequence {
   std::shared_ptr<const LoraAdapter> adapter;  // null = base model
   uint64_t adapter_id = 0;      // registry generation (0 = base): part of prefix-cache keys
   int slot = -1;
-  std::mt19937_64 rng;
+  uint64_t seed = 0;             // sampling seed: the request's, or drawn at submission
   uint64_t arrival = 0;
   int cached_tokens = 0;
   bool first_token_sent = false;

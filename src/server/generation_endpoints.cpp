@@ -1,7 +1,6 @@
 // POST /v1/completions and /v1/chat/completions: parse, resolve the model, tokenize, start a
-// GenerationJob, then answer with one JSON object or an SSE stream.
-#include <httplib.h>
-
+// GenerationJob, and hand it to the HTTP session (http_session.cpp), which answers with an SSE
+// stream or, once the job is finished, one JSON object with the status the outcome calls for.
 #include <fmt/format.h>
 
 #include "server/generation_job.h"
@@ -12,115 +11,54 @@ namespace moelora::server {
 
 namespace {
 
-constexpr int kThreadsReservedForControl = 16;
-
 int64_t unix_now() {
   return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-// Owns a running job for as long as its HTTP response exists, whatever ends it (finished,
-// client gone, server stopping): dropping the lease cancels what still runs in the engine.
-struct JobLease {
-  std::shared_ptr<GenerationJob> job;
-  ServerMetrics* metrics;
-  JobLease(std::shared_ptr<GenerationJob> j, ServerMetrics* m) : job(std::move(j)), metrics(m) {
-    metrics->http_request_started();
-  }
-  ~JobLease() {
-    job->cancel();
-    metrics->http_request_ended();
-  }
-};
-
-void answer_stream(ServerState& st, std::shared_ptr<GenerationJob> job, httplib::Response& res) {
-  auto lease = std::make_shared<JobLease>(std::move(job), &st.metrics);
-  const auto heartbeat = st.options.heartbeat;
-  res.status = 200;
-  res.set_header("Cache-Control", "no-cache");
-  res.set_header("X-Accel-Buffering", "no");  // proxies must not buffer the stream
-  auto last_write = std::make_shared<Clock::time_point>(Clock::now());
-  res.set_chunked_content_provider(
-      std::string(kSseContentType),
-      [lease, heartbeat, last_write](size_t, httplib::DataSink& sink) {
-        std::string out;
-        const bool done = lease->job->pump(heartbeat, &out);
-        // Nothing to say for a while: a comment line probes the connection, so a client that
-        // went away is noticed (cpp-httplib sees a disconnect only when a write fails).
-        if (out.empty() && !done && Clock::now() - *last_write >= heartbeat) out = sse_comment("keep-alive");
-        if (!out.empty()) {
-          if (!sink.write(out.data(), out.size())) {
-            lease->job->cancel();
-            return false;
-          }
-          *last_write = Clock::now();
-        }
-        if (done) sink.done();
-        return true;
-      },
-      [lease](bool) { lease->job->cancel(); });
+// The response id, as vLLM builds it: X-Request-Id, else the body's request_id, else random.
+std::string response_id(const char* prefix, const HttpRequest& req, const GenerationOptions& opts) {
+  if (req.has_header("x-request-id") && !req.request_id.empty()) return prefix + req.request_id;
+  if (opts.request_id && !opts.request_id->empty()) return prefix + *opts.request_id;
+  return make_response_id(prefix);
 }
 
-void answer_whole(ServerState& st, std::shared_ptr<GenerationJob> job, httplib::Response& res) {
-  auto lease = std::make_shared<JobLease>(std::move(job), &st.metrics);
-  GenerationJob& j = *lease->job;
-  const auto probe_at = Clock::now() + st.options.nonstream_probe_after;
-  std::string unused;
-  while (!j.pump(std::chrono::milliseconds(50), &unused) && Clock::now() < probe_at) {
-  }
-  if (j.complete()) {
-    if (j.final_status() != 200) st.metrics.count_rejected(j.final_status());
-    res.status = j.final_status();
-    res.set_content(j.final_body(), "application/json");
-    return;
-  }
-  // A long generation: the status is committed now (200) and the body is streamed as
-  // whitespace (valid before JSON) until the object is ready, so that a client that gives up
-  // is noticed on a write and its request cancelled instead of running to max_tokens.
-  const auto heartbeat = st.options.heartbeat;
-  res.status = 200;
-  res.set_chunked_content_provider(
-      "application/json",
-      [lease, heartbeat](size_t, httplib::DataSink& sink) {
-        std::string unused_sse;
-        if (lease->job->pump(heartbeat, &unused_sse)) {
-          const std::string body = lease->job->final_body();
-          if (!sink.write(body.data(), body.size())) return false;
-          sink.done();
-          return true;
-        }
-        if (!sink.write(" ", 1)) {
-          lease->job->cancel();
-          return false;
-        }
-        return true;
-      },
-      [lease](bool) { lease->job->cancel(); });
+// bad_words are strings in the request; the engine bans token sequences.
+std::optional<ApiError> resolve_bad_words(const ServerState& st, GenerationOptions& opts) {
+  if (opts.bad_words.empty()) return std::nullopt;
+  if (!st.tokenizer->has_tokenizer())
+    return bad_request("'bad_words' needs the model's tokenizer.json, which this model folder lacks", "bad_words");
+  const ServingTokenizer& tok = *st.tokenizer;
+  return tokenize_bad_words(
+      opts.bad_words, [&](const std::string& text) { return tok.encode(text, /*add_special_tokens=*/false); },
+      st.options.limits.vocab_size, &opts.sampling.bad_words);
 }
 
-// Common tail of both endpoints: start the job and answer.
-void run(ServerState& st, JobSpec spec, httplib::Response& res) {
-  const bool stream = spec.opts.stream;
-  // Every open generation response holds an HTTP thread; past this many, new ones are turned
-  // away so that threads stay free for /health, /metrics and adapter management.
-  const int limit = std::max(1, st.options.http_threads - kThreadsReservedForControl);
-  if (st.metrics.http_requests_active() >= limit)
+// Common tail of both endpoints: start the job and give it to the session.
+void run(ServerState& st, const HttpRequest& req, JobSpec spec, HttpResponse& res) {
+  // Open generation responses are bounded exactly (a compare-and-swap takes the place), so a
+  // burst of clients cannot push the server past --max-open-requests between check and start.
+  const int limit = std::max(1, st.options.max_open_requests);
+  if (!st.metrics.try_start_http_request(limit))
     return st.send_error(res, {503, "ServiceUnavailableError",
                                fmt::format("the server is at its limit of {} open generation requests", limit), ""});
   ApiError err;
-  std::shared_ptr<GenerationJob> job = GenerationJob::start(std::move(spec), st.engine, *st.tokenizer, &st.metrics, &err);
-  if (!job) return st.send_error(res, err);
-  if (stream) answer_stream(st, std::move(job), res);
-  else answer_whole(st, std::move(job), res);
+  std::shared_ptr<GenerationJob> job = GenerationJob::start(std::move(spec), st.engine(), *st.tokenizer, &st.metrics, &err);
+  if (!job) {
+    st.metrics.http_request_ended();
+    return st.send_error(res, err);
+  }
+  res.status = 200;
+  res.generation = std::make_shared<GenerationLease>(std::move(job), &st.metrics, req.request_id);
 }
 
-bool refuse_if_draining(ServerState& st, httplib::Response& res) {
+bool refuse_if_draining(ServerState& st, HttpResponse& res) {
   if (!st.draining.load()) return false;
   st.send_error(res, {503, "ServiceUnavailableError", "the server is shutting down", ""});
   return true;
 }
 
-void handle_completions(ServerState& st, const httplib::Request& req, httplib::Response& res) {
-  const Clock::time_point arrival = Clock::now();
+void handle_completions(ServerState& st, const HttpRequest& req, HttpResponse& res) {
+  const Clock::time_point arrival = req.arrival;
   if (refuse_if_draining(st, res)) return;
   Json body;
   if (auto e = parse_json_body(req.body, &body)) return st.send_error(res, *e);
@@ -128,6 +66,8 @@ void handle_completions(ServerState& st, const httplib::Request& req, httplib::R
   if (auto e = parse_completion_request(body, st.options.limits, &r)) return st.send_error(res, *e);
   JobSpec spec;
   if (auto e = st.resolve_model(r.opts.model, r.opts.lora_path, &spec.adapter)) return st.send_error(res, *e);
+  if (auto e = resolve_bad_words(st, r.opts)) return st.send_error(res, *e);
+  const bool add_special = r.opts.add_special_tokens.value_or(true);
   for (const PromptInput& p : r.prompts) {
     if (p.is_ids) {
       spec.prompts.push_back(p.ids);
@@ -135,22 +75,21 @@ void handle_completions(ServerState& st, const httplib::Request& req, httplib::R
       continue;
     }
     // Completions add the tokenizer's special tokens (BOS) as vLLM does by default.
-    auto ids = st.tokenizer->encode(p.text, /*add_special_tokens=*/true);
+    auto ids = st.tokenizer->encode(p.text, add_special);
     if (!ids.ok()) return st.send_error(res, from_status(ids.status(), "prompt"));
     spec.prompts.push_back(std::move(ids).value());
     if (r.echo) spec.echo_text.push_back(p.text);
   }
-  spec.header = {ApiKind::kCompletion, make_response_id("cmpl-"), r.opts.model.empty() ? st.options.served_model_name
-                                                                                         : r.opts.model,
-                 unix_now()};
+  spec.header = {ApiKind::kCompletion, response_id("cmpl-", req, r.opts),
+                 r.opts.model.empty() ? st.options.served_model_name : r.opts.model, unix_now()};
   spec.opts = std::move(r.opts);
-  spec.max_model_len = st.engine.max_model_len();
+  spec.max_model_len = st.engine().max_model_len();
   spec.arrival = arrival;
-  run(st, std::move(spec), res);
+  run(st, req, std::move(spec), res);
 }
 
-void handle_chat(ServerState& st, const httplib::Request& req, httplib::Response& res) {
-  const Clock::time_point arrival = Clock::now();
+void handle_chat(ServerState& st, const HttpRequest& req, HttpResponse& res) {
+  const Clock::time_point arrival = req.arrival;
   if (refuse_if_draining(st, res)) return;
   Json body;
   if (auto e = parse_json_body(req.body, &body)) return st.send_error(res, *e);
@@ -158,24 +97,39 @@ void handle_chat(ServerState& st, const httplib::Request& req, httplib::Response
   if (auto e = parse_chat_completion_request(body, st.options.limits, &r)) return st.send_error(res, *e);
   JobSpec spec;
   if (auto e = st.resolve_model(r.opts.model, r.opts.lora_path, &spec.adapter)) return st.send_error(res, *e);
-  auto ids = st.tokenizer->encode_chat(r.messages, r.add_generation_prompt, r.continue_final_message);
+  if (auto e = resolve_bad_words(st, r.opts)) return st.send_error(res, *e);
+  if (!r.tools.is_null()) {
+    // The template sees the tools in the client's key order (Json sorts keys; tojson shows them).
+    auto ordered = OJson::parse(req.body, nullptr, false);
+    if (ordered.is_object() && ordered.contains("tools")) r.tools = ordered["tools"];
+  }
+  auto ids = st.tokenizer->encode_chat(r.messages, r.add_generation_prompt, r.continue_final_message, r.tools);
   if (!ids.ok()) return st.send_error(res, from_status(ids.status(), "messages"));
+  if (r.opts.add_special_tokens.value_or(false)) {
+    // vLLM's add_special_tokens for chat: the template already wrote them, so this adds the
+    // tokenizer's own (BOS) in front, as encoding the rendered text with them would.
+    auto bos = st.tokenizer->encode("", /*add_special_tokens=*/true);
+    if (bos.ok() && !bos->empty()) ids->insert(ids->begin(), bos->begin(), bos->end());
+  }
   spec.prompts.push_back(std::move(ids).value());
-  spec.header = {ApiKind::kChat, make_response_id("chatcmpl-"),
+  spec.header = {ApiKind::kChat, response_id("chatcmpl-", req, r.opts),
                  r.opts.model.empty() ? st.options.served_model_name : r.opts.model, unix_now()};
+  if (!r.tools.is_null() && r.tool_choice != "none") {
+    spec.tool_format = st.tokenizer->tool_call_format();
+    // DeepSeek's and Mistral's call markers are special tokens: decode them so the parser sees them.
+    if (tool_markers_are_special(spec.tool_format)) r.opts.skip_special_tokens = false;
+  }
   spec.opts = std::move(r.opts);
-  spec.max_model_len = st.engine.max_model_len();
+  spec.max_model_len = st.engine().max_model_len();
   spec.arrival = arrival;
-  run(st, std::move(spec), res);
+  run(st, req, std::move(spec), res);
 }
 
 }  // namespace
 
-void register_generation_routes(httplib::Server& http, ServerState& st) {
-  http.Post("/v1/completions",
-            [&st](const httplib::Request& req, httplib::Response& res) { handle_completions(st, req, res); });
-  http.Post("/v1/chat/completions",
-            [&st](const httplib::Request& req, httplib::Response& res) { handle_chat(st, req, res); });
+void register_generation_routes(Router& router) {
+  router.add("POST", "/v1/completions", RouteKind::kApi, handle_completions);
+  router.add("POST", "/v1/chat/completions", RouteKind::kApi, handle_chat);
 }
 
 }  // namespace moelora::server

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "core/log.h"
 #include "server/serving_tokenizer.h"
 #include "server/sse.h"
 #include "tokenizer/stream_decoder.h"
@@ -26,8 +27,10 @@ GenerationJob::GenerationJob(JobSpec spec, Engine& engine, const ServingTokenize
     Choice& c = choices_[i];
     c.index = i;
     c.prompt = i / n;
-    c.engine_id = fmt::format("{}-{}", spec_.header.id, i);
+    c.engine_id = fmt::format("{}-{}", spec_.engine_id, i);
     c.decoder = tokenizer_.stream_decoder(spec_.opts.skip_special_tokens);
+    if (spec_.tool_format != ToolCallFormat::kNone && spec_.opts.stream)
+      c.tool_parser = std::make_unique<ToolCallStreamParser>(spec_.tool_format);
     c.stop = StopStringMatcher(spec_.opts.stop, spec_.opts.include_stop_str_in_output);
     c.logprobs_delta = LogprobsBuilder(spec_.header.kind);
     c.logprobs_all = LogprobsBuilder(spec_.header.kind);
@@ -37,6 +40,19 @@ GenerationJob::GenerationJob(JobSpec spec, Engine& engine, const ServingTokenize
 std::shared_ptr<GenerationJob> GenerationJob::start(JobSpec spec, Engine& engine, const ServingTokenizer& tokenizer,
                                                     ServerMetrics* metrics, ApiError* error) {
   const int max_len = spec.max_model_len;
+  if (spec.engine_id.empty()) spec.engine_id = make_response_id("req-");
+  if (const auto k = spec.opts.truncate_prompt_tokens) {
+    // vLLM: keep the last k tokens (-1: the context length); k beyond the context is an error.
+    if (*k > max_len) {
+      *error = bad_request(fmt::format("'truncate_prompt_tokens' ({}) is greater than the context length ({})", *k,
+                                       max_len),
+                           "truncate_prompt_tokens");
+      return nullptr;
+    }
+    const size_t keep = static_cast<size_t>(*k == -1 ? max_len : *k);
+    for (auto& prompt : spec.prompts)
+      if (prompt.size() > keep) prompt.erase(prompt.begin(), prompt.end() - static_cast<long>(keep));
+  }
   std::vector<SamplingParams> per_prompt;
   for (size_t p = 0; p < spec.prompts.size(); ++p) {
     const int len = static_cast<int>(spec.prompts[p].size());
@@ -60,6 +76,11 @@ std::shared_ptr<GenerationJob> GenerationJob::start(JobSpec spec, Engine& engine
       *error = context_length_error(max_len, len, s.max_tokens);
       return nullptr;
     }
+    if (s.min_tokens > s.max_tokens) {
+      *error = bad_request(fmt::format("'min_tokens' must be <= max_tokens = {}, got {}", s.max_tokens, s.min_tokens),
+                           "min_tokens");
+      return nullptr;
+    }
     per_prompt.push_back(s);
   }
   std::shared_ptr<GenerationJob> job(new GenerationJob(std::move(spec), engine, tokenizer, metrics));
@@ -69,6 +90,7 @@ std::shared_ptr<GenerationJob> GenerationJob::start(JobSpec spec, Engine& engine
     req.id = c.engine_id;
     req.prompt = job->spec_.prompts[c.prompt];
     req.adapter = job->spec_.adapter;
+    req.cache_salt = job->spec_.opts.cache_salt;
     req.sampling = per_prompt[c.prompt];
     // Seeded requests: choice i of a prompt uses seed + i, so the n choices differ but each
     // one is reproducible on its own.
@@ -231,6 +253,18 @@ bool GenerationJob::pump(std::chrono::milliseconds timeout, std::string* sse) {
       ChoiceOutput o;
       o.index = c.index;
       o.text = std::move(delta);
+      if (c.tool_parser) {
+        // Text becomes content and tool-call deltas; the end settles what was held back.
+        ToolCallStreamParser::Delta td = c.tool_parser->feed(o.text);
+        if (c.done) {
+          ToolCallStreamParser::Delta end = c.tool_parser->finish();
+          td.content += end.content;
+          for (auto& call : end.tool_calls) td.tool_calls.push_back(std::move(call));
+          if (c.tool_parser->called() && c.finish_reason == "stop") c.finish_reason = "tool_calls";
+        }
+        o.text = std::move(td.content);
+        if (!td.tool_calls.empty()) o.tool_calls = std::move(td.tool_calls);
+      }
       if (!c.logprobs_delta.empty()) o.logprobs = c.logprobs_delta.take();
       if (c.done) {
         o.finish_reason = c.finish_reason;
@@ -240,7 +274,9 @@ bool GenerationJob::pump(std::chrono::milliseconds timeout, std::string* sse) {
         o.token_ids = std::vector<int32_t>(c.token_ids.begin() + static_cast<long>(c.token_ids_sent), c.token_ids.end());
         c.token_ids_sent = c.token_ids.size();
       }
-      if (o.text.empty() && !o.logprobs && !o.finish_reason && !(o.token_ids && !o.token_ids->empty())) continue;
+      if (o.text.empty() && !o.logprobs && !o.finish_reason && !(o.token_ids && !o.token_ids->empty()) &&
+          !o.tool_calls)
+        continue;
       std::optional<OJson> usage_field;
       if (spec_.opts.continuous_usage_stats) usage_field = usage_json(usage());
       else if (spec_.opts.include_usage) usage_field = OJson(nullptr);
@@ -252,6 +288,35 @@ bool GenerationJob::pump(std::chrono::milliseconds timeout, std::string* sse) {
   if (streaming) finish_stream(sse);
   complete_ = true;
   return true;
+}
+
+std::string GenerationJob::outcome() const {
+  if (failed_) return "error";
+  if (!complete_) return "abort";
+  std::string out;
+  for (const Choice& c : choices_)
+    if (out.find(c.finish_reason) == std::string::npos) out += (out.empty() ? "" : ",") + c.finish_reason;
+  return out;
+}
+
+GenerationLease::GenerationLease(std::shared_ptr<GenerationJob> job, ServerMetrics* metrics, std::string request_id)
+    : job_(std::move(job)), metrics_(metrics), request_id_(std::move(request_id)) {}
+
+GenerationLease::~GenerationLease() {
+  job_->set_listener(nullptr);
+  job_->cancel();
+  metrics_->http_request_ended();
+  const JobSpec& s = job_->spec();
+  const UsageCounts u = job_->usage();
+  const double total = std::chrono::duration<double>(Clock::now() - s.arrival).count();
+  const double ttft = job_->first_token_seconds();
+  // One line per finished request (vLLM logs the same facts): enough to find a slow or failed
+  // request by its X-Request-Id without turning on debug logging.
+  MOELORA_LOG_INFO("request {} ({}): adapter={} prompt_tokens={} completion_tokens={} cached_tokens={} ttft={} "
+                   "total={:.3f}s finish={} status={}",
+                   request_id_, s.header.id, s.adapter.empty() ? "-" : s.adapter, u.prompt_tokens, u.completion_tokens,
+                   u.cached_tokens, ttft < 0 ? std::string("-") : fmt::format("{:.3f}s", ttft), total,
+                   job_->outcome(), http_status_ == 0 ? std::string("-") : std::to_string(http_status_));
 }
 
 int GenerationJob::final_status() const { return failed_ ? error_.http_status : 200; }
@@ -267,6 +332,15 @@ std::string GenerationJob::final_body() const {
     if (spec_.opts.want_logprobs) o.logprobs = LogprobsBuilder(c.logprobs_all).take();
     o.finish_reason = c.finish_reason;
     o.stop_reason = c.stop_reason;
+    if (spec_.tool_format != ToolCallFormat::kNone) {
+      // Malformed calls leave the text as content (parse_tool_calls never fails).
+      ParsedToolCalls parsed = parse_tool_calls(spec_.tool_format, o.text);
+      if (!parsed.calls.empty()) {
+        o.text = std::move(parsed.content);
+        o.tool_calls = tool_calls_json(parsed.calls);
+        if (o.finish_reason == "stop") o.finish_reason = "tool_calls";
+      }
+    }
     if (spec_.opts.return_token_ids) {
       o.token_ids = c.token_ids;
       o.prompt_token_ids = spec_.prompts[c.prompt];

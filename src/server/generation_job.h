@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "server/openai_responses.h"
 #include "server/request_channel.h"
 #include "server/stop_strings.h"
+#include "server/tool_calls.h"
 
 namespace moelora {
 class StreamDecoder;
@@ -28,12 +30,14 @@ class ServingTokenizer;
 
 struct JobSpec {
   ResponseHeader header;
+  std::string engine_id;                       // unique among live requests (X-Request-Id need not be)
   std::string adapter;                         // "" = base model
   std::vector<std::vector<int32_t>> prompts;   // tokenized
   std::vector<std::string> echo_text;          // per prompt; empty unless echo
   GenerationOptions opts;
   int max_model_len = 0;
   Clock::time_point arrival;
+  ToolCallFormat tool_format = ToolCallFormat::kNone;  // chat with tools: parse the output's calls
 };
 
 class GenerationJob {
@@ -59,6 +63,13 @@ class GenerationJob {
   void cancel();
 
   const JobSpec& spec() const { return spec_; }
+  // Wakes the HTTP session when output arrives (see RequestChannel::set_listener).
+  void set_listener(std::function<void()> listener) { channel_->set_listener(std::move(listener)); }
+  UsageCounts usage() const;
+  double first_token_seconds() const { return channel_->first_token_seconds(); }
+  // For the request log: the finish reasons of the choices ("stop", "length", "stop,length"),
+  // "error", or "abort" when the job never completed (client gone, server stopping).
+  std::string outcome() const;
 
  private:
   struct Choice {
@@ -66,6 +77,7 @@ class GenerationJob {
     int prompt = 0;
     std::string engine_id;
     std::unique_ptr<StreamDecoder> decoder;
+    std::unique_ptr<ToolCallStreamParser> tool_parser;  // streaming with tools
     StopStringMatcher stop{{}, false};
     bool done = false;         // finished as the API sees it
     bool engine_done = false;  // the engine reported its end
@@ -85,7 +97,6 @@ class GenerationJob {
   std::string apply(Choice& c, ChoiceDelivery& d);
   void fail(ApiError error);
   void finish_stream(std::string* sse);
-  UsageCounts usage() const;
   std::vector<ChoiceOutput> opening_chunks();
 
   JobSpec spec_;
@@ -98,6 +109,26 @@ class GenerationJob {
   bool complete_ = false;
   bool failed_ = false;
   ApiError error_;
+};
+
+// Owns a running job for as long as its HTTP response exists, whatever ends it (finished,
+// client gone, server stopping): dropping the lease cancels what still runs in the engine,
+// gives back the open-request slot (ServerMetrics::try_start_http_request) and writes the
+// request's log line.
+class GenerationLease {
+ public:
+  GenerationLease(std::shared_ptr<GenerationJob> job, ServerMetrics* metrics, std::string request_id);
+  ~GenerationLease();
+  GenerationLease(const GenerationLease&) = delete;
+  GenerationLease& operator=(const GenerationLease&) = delete;
+  GenerationJob& job() { return *job_; }
+  void set_http_status(int status) { http_status_ = status; }
+
+ private:
+  std::shared_ptr<GenerationJob> job_;
+  ServerMetrics* metrics_;
+  std::string request_id_;
+  int http_status_ = 0;
 };
 
 // A fresh id: prefix + 24 hex digits.

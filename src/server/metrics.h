@@ -52,6 +52,14 @@ class ServerMetrics {
   // HTTP generation requests in flight (incremented when one starts, decremented when its
   // response is gone, whatever the reason).
   void http_request_started() { http_active_.fetch_add(1); }
+  // Takes one of `limit` open-request places, or none when all are taken: a compare-and-swap,
+  // so concurrent requests can never exceed the limit between a check and an increment.
+  bool try_start_http_request(int limit) {
+    int cur = http_active_.load();
+    while (cur < limit)
+      if (http_active_.compare_exchange_weak(cur, cur + 1)) return true;
+    return false;
+  }
   void http_request_ended() { http_active_.fetch_sub(1); }
   int http_requests_active() const { return http_active_.load(); }
   void count_rejected(int http_status);

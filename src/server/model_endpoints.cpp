@@ -1,10 +1,10 @@
 // GET /v1/models and vLLM's runtime adapter management:
 //   POST /v1/load_lora_adapter   {"lora_name", "lora_path", "load_inplace"?, "pinned"? (sglang)}
 //   POST /v1/unload_lora_adapter {"lora_name"}
-// Loading is off unless --allow-runtime-lora (users could otherwise make the server read any
-// path); with --lora-root the engine also confines paths to that folder.
-#include <httplib.h>
-
+// Loading needs --lora-root: every file of a runtime-loaded adapter must resolve inside it
+// (checked again on every re-read), so a client can never make the server read other files.
+// load_inplace validates the new version first and swaps it in atomically: requests never see
+// the name missing, and a failed reload leaves the old version serving.
 #include <chrono>
 
 #include <fmt/format.h>
@@ -27,13 +27,14 @@ int64_t unix_now() {
 }
 
 std::optional<ApiError> runtime_lora_allowed(const ServerState& st) {
-  if (st.options.allow_runtime_lora) return std::nullopt;
+  if (st.options.allow_runtime_lora && !st.options.lora_root.empty()) return std::nullopt;
   return ApiError{403, "PermissionDeniedError",
-                  "loading and unloading adapters at runtime is disabled; start the server with --allow-runtime-lora",
+                  "loading and unloading adapters at runtime is disabled; start the server with --lora-root DIR "
+                  "(adapters are then loaded from inside DIR only)",
                   ""};
 }
 
-void handle_load(ServerState& st, const httplib::Request& req, httplib::Response& res) {
+void handle_load(ServerState& st, const HttpRequest& req, HttpResponse& res) {
   if (auto e = runtime_lora_allowed(st)) return st.send_error(res, *e);
   Json body;
   if (auto e = parse_json_body(req.body, &body)) return st.send_error(res, *e);
@@ -47,16 +48,15 @@ void handle_load(ServerState& st, const httplib::Request& req, httplib::Response
                                !name || name->empty() ? "lora_name" : "lora_path"});
   if (*name == st.options.served_model_name)
     return st.send_error(res, bad_request(fmt::format("'{}' is the base model's name", *name), "lora_name"));
-  if (st.engine.has_adapter(*name)) {
-    if (!inplace.value_or(false))
-      return st.send_error(res, {400, "InvalidUserInput",
-                                 fmt::format("The lora adapter '{}' has already been loaded.", *name), "lora_name"});
-    // Reload in place: the old one leaves once its requests finish; the new one gets a fresh
-    // identity, so no prefix-cache entry of the old weights is ever served for it.
-    Status s = st.engine.unload_adapter(*name, /*wait=*/true);
-    if (!s.ok() && s.code() != ErrorCode::kNotFound) return st.send_error(res, from_status(s, "lora_name"));
-  }
-  Status s = st.engine.load_adapter(*name, *path, pinned.value_or(false));
+  const bool replace = inplace.value_or(false);
+  if (!replace && st.engine().has_adapter(*name))
+    return st.send_error(res, {400, "InvalidUserInput",
+                               fmt::format("The lora adapter '{}' has already been loaded.", *name), "lora_name"});
+  AdapterLoadSpec spec;
+  spec.pinned = pinned.value_or(false);
+  spec.replace = replace;
+  spec.root = st.options.lora_root;
+  Status s = st.engine().load_adapter(*name, *path, spec);
   if (!s.ok()) {
     ApiError e = from_status(s, s.code() == ErrorCode::kNotFound ? "lora_path" : "");
     if (s.code() == ErrorCode::kFailedPrecondition) e = {409, "ConflictError", s.message(), "lora_name"};
@@ -64,12 +64,12 @@ void handle_load(ServerState& st, const httplib::Request& req, httplib::Response
     MOELORA_LOG_WARN("server: loading adapter '{}' from '{}' failed: {}", *name, *path, s.message());
     return st.send_error(res, e);
   }
-  MOELORA_LOG_INFO("server: loaded adapter '{}' from '{}'", *name, *path);
+  MOELORA_LOG_INFO("server: {} adapter '{}' from '{}'", replace ? "loaded (in place)" : "loaded", *name, *path);
   res.status = 200;
   res.set_content(fmt::format("Success: LoRA adapter '{}' added successfully.", *name), "text/plain");
 }
 
-void handle_unload(ServerState& st, const httplib::Request& req, httplib::Response& res) {
+void handle_unload(ServerState& st, const HttpRequest& req, HttpResponse& res) {
   if (auto e = runtime_lora_allowed(st)) return st.send_error(res, *e);
   Json body;
   if (auto e = parse_json_body(req.body, &body)) return st.send_error(res, *e);
@@ -77,34 +77,34 @@ void handle_unload(ServerState& st, const httplib::Request& req, httplib::Respon
   if (auto e = read_opt_string(body, "lora_name", &name)) return st.send_error(res, *e);
   if (!name || name->empty())
     return st.send_error(res, {400, "InvalidUserInput", "'lora_name' must be provided.", "lora_name"});
-  if (!st.engine.has_adapter(*name))
+  if (!st.engine().has_adapter(*name))
     return st.send_error(res, {404, "NotFoundError", fmt::format("The lora adapter '{}' cannot be found.", *name),
                                "lora_name"});
   // Requests already using it finish first; new ones are refused meanwhile (404).
-  Status s = st.engine.unload_adapter(*name, /*wait=*/true);
+  Status s = st.engine().unload_adapter(*name, /*wait=*/true);
   if (!s.ok()) return st.send_error(res, from_status(s, "lora_name"));
   MOELORA_LOG_INFO("server: unloaded adapter '{}'", *name);
   res.status = 200;
   res.set_content(fmt::format("Success: LoRA adapter '{}' removed successfully.", *name), "text/plain");
 }
 
+void handle_models(ServerState& st, const HttpRequest&, HttpResponse& res) {
+  const int64_t now = unix_now();
+  const int max_len = st.engine().max_model_len();
+  OJson data = OJson::array();
+  data.push_back(model_card(st.options.served_model_name, st.options.model_path, nullptr, max_len, now));
+  for (const AdapterInfo& a : st.engine().adapters())
+    if (st.engine().has_adapter(a.name))
+      data.push_back(model_card(a.name, a.path, st.options.served_model_name, max_len, now));
+  st.send_json(res, 200, OJson{{"object", "list"}, {"data", std::move(data)}});
+}
+
 }  // namespace
 
-void register_model_routes(httplib::Server& http, ServerState& st) {
-  http.Get("/v1/models", [&st](const httplib::Request&, httplib::Response& res) {
-    const int64_t now = unix_now();
-    const int max_len = st.engine.max_model_len();
-    OJson data = OJson::array();
-    data.push_back(model_card(st.options.served_model_name, st.options.model_path, nullptr, max_len, now));
-    for (const AdapterInfo& a : st.engine.adapters())
-      if (st.engine.has_adapter(a.name))
-        data.push_back(model_card(a.name, a.path, st.options.served_model_name, max_len, now));
-    st.send_json(res, 200, OJson{{"object", "list"}, {"data", std::move(data)}});
-  });
-  http.Post("/v1/load_lora_adapter",
-            [&st](const httplib::Request& req, httplib::Response& res) { handle_load(st, req, res); });
-  http.Post("/v1/unload_lora_adapter",
-            [&st](const httplib::Request& req, httplib::Response& res) { handle_unload(st, req, res); });
+void register_model_routes(Router& router) {
+  router.add("GET", "/v1/models", RouteKind::kApi, handle_models);
+  router.add("POST", "/v1/load_lora_adapter", RouteKind::kAdapterAdmin, handle_load);
+  router.add("POST", "/v1/unload_lora_adapter", RouteKind::kAdapterAdmin, handle_unload);
 }
 
 }  // namespace moelora::server

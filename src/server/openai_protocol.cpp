@@ -115,33 +115,73 @@ namespace {
     if (auto _api_err = (expr)) return _api_err; \
   } while (0)
 
-// Fields that change the output in ways the engine does not implement: refused, not ignored.
-std::optional<ApiError> refuse_unsupported(const Json& b) {
-  for (const char* key : {"presence_penalty", "frequency_penalty"}) {
-    std::optional<double> v;
-    MOELORA_TRY_API(read_opt_number(b, key, &v));
-    if (v && *v != 0.0) return bad_request(fmt::format("'{}' is not supported (only 0)", key), key);
+// vLLM documents these fields; moelora does not implement what they ask for, so a request that
+// sets them is refused (400 naming the field) rather than answered as if they were absent. A
+// field counts as set when it is present, not null, and not its neutral value.
+std::optional<ApiError> refuse_unsupported(const Json& b, bool chat) {
+  auto set = [](const Json& v) {
+    if (v.is_boolean()) return v.get<bool>();
+    if (v.is_array() || v.is_object() || v.is_string()) return !v.empty();
+    return true;
+  };
+  struct Refused {
+    const char* key;
+    const char* why;
+  };
+  static const Refused kRefused[] = {
+      {"prompt_logprobs", "prompt logprobs are not implemented"},
+      {"use_beam_search", "beam search is not implemented"},
+      {"guided_json", "guided decoding is not implemented"},
+      {"guided_regex", "guided decoding is not implemented"},
+      {"guided_choice", "guided decoding is not implemented"},
+      {"guided_grammar", "guided decoding is not implemented"},
+      {"guided_decoding_backend", "guided decoding is not implemented"},
+      {"guided_whitespace_pattern", "guided decoding is not implemented"},
+      {"structured_outputs", "structured outputs are not implemented"},
+      {"logits_processors", "custom logits processors are not supported"},
+      {"vllm_xargs", "custom logits processor arguments are not supported"},
+      {"kv_transfer_params", "KV transfer (disaggregated prefill) is not supported"},
+      {"prompt_embeds", "prompt embeddings are not supported"},
+      {"return_tokens_as_token_ids", "return_tokens_as_token_ids is not implemented"},
+      {"mm_processor_kwargs", "multimodal inputs are not supported"},
+      {"chat_template", "a request-supplied chat template is not accepted; the model's own is used"},
+      {"chat_template_kwargs", "chat template arguments are not supported"},
+      {"documents", "documents (RAG chat templates) are not supported"},
+      {"reasoning_effort", "reasoning_effort is not supported"},
+      {"functions", "'functions' is not supported"},
+  };
+  for (const Refused& r : kRefused)
+    if (const Json* v = present(b, r.key); v && set(*v))
+      return bad_request(fmt::format("'{}' is not supported: {}", r.key, r.why), r.key);
+  {
+    std::optional<int64_t> priority;
+    MOELORA_TRY_API(read_opt_int(b, "priority", &priority));
+    if (priority && *priority != 0)
+      return bad_request("'priority' is not supported: requests are served in arrival order (only 0)", "priority");
   }
   {
-    std::optional<double> v;
-    MOELORA_TRY_API(read_opt_number(b, "repetition_penalty", &v));
-    if (v && *v != 1.0) return bad_request("'repetition_penalty' is not supported (only 1)", "repetition_penalty");
+    std::optional<double> lp;
+    MOELORA_TRY_API(read_opt_number(b, "length_penalty", &lp));
+    if (lp && *lp != 1.0) return bad_request("'length_penalty' only applies to beam search (only 1)", "length_penalty");
   }
   {
-    std::optional<int64_t> v;
-    MOELORA_TRY_API(read_opt_int(b, "min_tokens", &v));
-    if (v && *v != 0) return bad_request("'min_tokens' is not supported (only 0)", "min_tokens");
+    std::optional<bool> spaces;
+    MOELORA_TRY_API(read_opt_bool(b, "spaces_between_special_tokens", &spaces));
+    if (spaces && !*spaces)
+      return bad_request("'spaces_between_special_tokens' = false is not implemented", "spaces_between_special_tokens");
   }
-  if (const Json* v = present(b, "logit_bias"))
-    if (!(v->is_object() && v->empty())) return bad_request("'logit_bias' is not supported", "logit_bias");
+  if (chat) {
+    std::optional<bool> echo;
+    MOELORA_TRY_API(read_opt_bool(b, "echo", &echo));
+    if (echo.value_or(false)) return bad_request("'echo' is not supported for chat completions", "echo");
+  }
   if (const Json* v = present(b, "suffix")) {
     if (!v->is_string()) return type_error("suffix", "a string", *v);
     if (!v->get<std::string>().empty()) return bad_request("'suffix' is not supported", "suffix");
   }
-  if (const Json* v = present(b, "tools"))
-    if (!(v->is_array() && v->empty())) return bad_request("'tools' (function calling) is not supported", "tools");
-  if (const Json* v = present(b, "functions"))
-    if (!(v->is_array() && v->empty())) return bad_request("'functions' is not supported", "functions");
+  // Chat requests carry tools to the template (parse_tools); completions have no use for them.
+  if (const Json* v = present(b, "tools"); v && !chat)
+    if (!(v->is_array() && v->empty())) return bad_request("'tools' is only supported by chat completions", "tools");
   if (const Json* v = present(b, "response_format")) {
     if (!v->is_object()) return type_error("response_format", "an object", *v);
     auto t = v->find("type");
@@ -151,8 +191,115 @@ std::optional<ApiError> refuse_unsupported(const Json& b) {
   return std::nullopt;
 }
 
+bool token_in_vocab(int64_t id, const ProtocolLimits& limits) {
+  return id >= 0 && id <= std::numeric_limits<int32_t>::max() && (limits.vocab_size <= 0 || id < limits.vocab_size);
+}
+
+// vLLM's logit processors: penalties, min_tokens, logit_bias, allowed_token_ids, bad_words, with
+// vLLM's ranges. min_tokens is checked against max_tokens once that is known (parse_options, and
+// GenerationJob for a chat whose max_tokens fills the context).
+std::optional<ApiError> parse_logit_processors(const Json& b, const ProtocolLimits& limits, GenerationOptions* o) {
+  SamplingParams& s = o->sampling;
+  for (const char* key : {"presence_penalty", "frequency_penalty"}) {
+    std::optional<double> v;
+    MOELORA_TRY_API(read_opt_number(b, key, &v));
+    if (!v) continue;
+    if (!(*v >= -2.0 && *v <= 2.0)) return bad_request(fmt::format("'{}' must be in [-2, 2], got {}", key, *v), key);
+    (key[0] == 'p' ? s.presence_penalty : s.frequency_penalty) = static_cast<float>(*v);
+  }
+  {
+    std::optional<double> v;
+    MOELORA_TRY_API(read_opt_number(b, "repetition_penalty", &v));
+    if (v) {
+      if (!(*v > 0.0 && *v <= 2.0))
+        return bad_request(fmt::format("'repetition_penalty' must be in (0, 2], got {}", *v), "repetition_penalty");
+      s.repetition_penalty = static_cast<float>(*v);
+    }
+  }
+  {
+    std::optional<int64_t> v;
+    MOELORA_TRY_API(read_opt_int(b, "min_tokens", &v));
+    if (v) {
+      if (*v < 0) return bad_request(fmt::format("'min_tokens' must be >= 0, got {}", *v), "min_tokens");
+      if (o->max_tokens_given && *v > s.max_tokens)
+        return bad_request(fmt::format("'min_tokens' must be <= max_tokens = {}, got {}", s.max_tokens, *v),
+                           "min_tokens");
+      s.min_tokens = static_cast<int>(std::min<int64_t>(*v, std::numeric_limits<int>::max() / 2));
+    }
+  }
+  if (const Json* lb = present(b, "logit_bias")) {
+    if (!lb->is_object()) return type_error("logit_bias", "an object of token ids to numbers", *lb);
+    if (static_cast<int>(lb->size()) > limits.max_logit_bias)
+      return bad_request(fmt::format("'logit_bias' has {} entries; at most {} are allowed", lb->size(),
+                                     limits.max_logit_bias),
+                         "logit_bias");
+    for (auto it = lb->begin(); it != lb->end(); ++it) {
+      // Keys are token ids written as decimal strings (JSON keys are strings).
+      const std::string& k = it.key();
+      int64_t id = -1;
+      const bool digits = !k.empty() && k.size() <= 10 && std::all_of(k.begin(), k.end(), [](char c) { return c >= '0' && c <= '9'; });
+      if (digits) id = std::stoll(k);
+      if (!digits || !token_in_vocab(id, limits))
+        return bad_request(fmt::format("'logit_bias' key {} is not a token id in the vocabulary{}", shown(Json(k)),
+                                       limits.vocab_size > 0 ? fmt::format(" (0..{})", limits.vocab_size - 1) : ""),
+                           "logit_bias");
+      if (!it.value().is_number())
+        return type_error("logit_bias", "an object whose values are numbers", it.value());
+      const double bias = it.value().get<double>();
+      if (!(bias >= -100.0 && bias <= 100.0))
+        return bad_request(fmt::format("'logit_bias' value {} of token {} is outside [-100, 100]", bias, id),
+                           "logit_bias");
+      s.logit_bias.emplace_back(static_cast<int32_t>(id), static_cast<float>(bias));
+    }
+  }
+  if (const Json* ids = present(b, "allowed_token_ids")) {
+    MOELORA_TRY_API(read_token_ids(*ids, "allowed_token_ids", &s.allowed_token_ids));
+    if (s.allowed_token_ids.empty())
+      return bad_request("'allowed_token_ids' must not be empty (it would ban every token)", "allowed_token_ids");
+    for (int32_t t : s.allowed_token_ids)
+      if (!token_in_vocab(t, limits))
+        return bad_request(fmt::format("'allowed_token_ids' holds {}, which is not in the vocabulary", t),
+                           "allowed_token_ids");
+  }
+  if (const Json* bw = present(b, "bad_words")) {
+    if (!bw->is_array()) return type_error("bad_words", "an array of strings", *bw);
+    if (static_cast<int>(bw->size()) > limits.max_bad_words)
+      return bad_request(fmt::format("at most {} bad_words are allowed", limits.max_bad_words), "bad_words");
+    for (const Json& w : *bw) {
+      if (!w.is_string()) return type_error("bad_words", "an array of strings", *bw);
+      o->bad_words.push_back(w.get<std::string>());
+    }
+  }
+  return std::nullopt;
+}
+
+// vLLM's request fields that moelora implements beyond sampling.
+std::optional<ApiError> parse_vllm_extras(const Json& b, const ProtocolLimits& limits, GenerationOptions* o) {
+  MOELORA_TRY_API(read_opt_bool(b, "add_special_tokens", &o->add_special_tokens));
+  std::optional<int64_t> trunc;
+  MOELORA_TRY_API(read_opt_int(b, "truncate_prompt_tokens", &trunc));
+  if (trunc) {
+    if (*trunc < -1 || *trunc == 0)
+      return bad_request(fmt::format("'truncate_prompt_tokens' must be -1 (the context length) or >= 1, got {}", *trunc),
+                         "truncate_prompt_tokens");
+    o->truncate_prompt_tokens = static_cast<int>(std::min<int64_t>(*trunc, std::numeric_limits<int>::max()));
+  }
+  std::optional<std::string> salt;
+  MOELORA_TRY_API(read_opt_string(b, "cache_salt", &salt));
+  if (salt) {
+    if (salt->empty()) return bad_request("'cache_salt' must not be empty", "cache_salt");
+    if (salt->size() > 1024) return bad_request("'cache_salt' is longer than 1024 bytes", "cache_salt");
+    o->cache_salt = *salt;
+  }
+  MOELORA_TRY_API(read_opt_string(b, "request_id", &o->request_id));
+  if (o->request_id && o->request_id->size() > 256)
+    return bad_request("'request_id' is longer than 256 bytes", "request_id");
+  (void)limits;
+  return std::nullopt;
+}
+
 std::optional<ApiError> parse_options(const Json& b, const ProtocolLimits& limits, bool chat, GenerationOptions* o) {
-  MOELORA_TRY_API(refuse_unsupported(b));
+  MOELORA_TRY_API(refuse_unsupported(b, chat));
   std::optional<std::string> model;
   MOELORA_TRY_API(read_opt_string(b, "model", &model));
   o->model = model.value_or("");
@@ -283,6 +430,8 @@ std::optional<ApiError> parse_options(const Json& b, const ProtocolLimits& limit
     }
   }
   s.logprobs = o->top_logprobs;
+  MOELORA_TRY_API(parse_logit_processors(b, limits, o));
+  MOELORA_TRY_API(parse_vllm_extras(b, limits, o));
   return std::nullopt;
 }
 
@@ -320,11 +469,46 @@ std::optional<ApiError> parse_completion_request(const Json& body, const Protoco
   const Json* p = present(body, "prompt");
   if (!p) return bad_request("'prompt' is required", "prompt");
   MOELORA_TRY_API(parse_prompts(*p, limits, &out->prompts));
+  const int64_t choices = static_cast<int64_t>(out->prompts.size()) * out->opts.n;
+  if (choices > limits.max_choices)
+    return bad_request(fmt::format("{} prompts x n = {} asks for {} sequences; at most {} are allowed per request",
+                                   out->prompts.size(), out->opts.n, choices, limits.max_choices),
+                       "n");
   std::optional<bool> echo;
   MOELORA_TRY_API(read_opt_bool(body, "echo", &echo));
   out->echo = echo.value_or(false);
   if (out->echo && out->opts.want_logprobs)
     return bad_request("'echo' together with 'logprobs' (prompt logprobs) is not supported", "echo");
+  return std::nullopt;
+}
+
+std::optional<ApiError> tokenize_bad_words(const std::vector<std::string>& words, const EncodeFn& encode,
+                                           int vocab_size, std::vector<std::vector<int32_t>>* out) {
+  for (const std::string& word : words) {
+    const size_t first = word.find_first_not_of(" \t\n\r\f\v");
+    const std::string stripped = first == std::string::npos ? std::string() : word.substr(first);
+    std::vector<int32_t> plain;
+    for (int spaced = 0; spaced < 2; ++spaced) {
+      auto ids = encode(spaced ? " " + stripped : stripped);
+      if (!ids.ok()) return bad_request(fmt::format("'bad_words': {}", ids.status().message()), "bad_words");
+      if (ids->empty()) {
+        if (!spaced) return bad_request(fmt::format("'bad_words' entry {} encodes to no tokens", shown(Json(word))),
+                                        "bad_words");
+        continue;
+      }
+      for (int32_t t : *ids)
+        if (t < 0 || (vocab_size > 0 && t >= vocab_size))
+          return bad_request(fmt::format("'bad_words' entry {} encodes to token {}, outside the model's vocabulary",
+                                         shown(Json(word)), t),
+                             "bad_words");
+      if (!spaced) {
+        plain = *ids;
+        out->push_back(std::move(ids).value());
+      } else if ((*ids)[0] != plain[0] && ids->size() == plain.size()) {
+        out->push_back(std::move(ids).value());
+      }
+    }
+  }
   return std::nullopt;
 }
 
@@ -360,6 +544,22 @@ std::optional<ApiError> parse_chat_messages(const Json& messages, std::vector<Ch
     } else {
       return type_error("messages", "content as a string or an array of parts", *content);
     }
+    if (auto calls = m.find("tool_calls"); calls != m.end() && !calls->is_null()) {
+      if (!calls->is_array()) return type_error("messages", "'tool_calls' as an array", *calls);
+      for (const Json& call : *calls) {
+        const auto fn = call.find("function");
+        if (!call.is_object() || fn == call.end() || !fn->is_object() || !fn->contains("name") ||
+            !(*fn)["name"].is_string())
+          return bad_request("every tool call needs a 'function' with a string 'name'", "messages");
+      }
+      msg.tool_fields["tool_calls"] = OJson(*calls);
+    }
+    for (const char* key : {"tool_call_id", "name"}) {
+      if (auto v = m.find(key); v != m.end() && !v->is_null()) {
+        if (!v->is_string()) return type_error("messages", fmt::format("'{}' as a string", key).c_str(), *v);
+        msg.tool_fields[key] = v->get<std::string>();
+      }
+    }
     out->push_back(std::move(msg));
   }
   return std::nullopt;
@@ -381,6 +581,33 @@ std::optional<ApiError> parse_chat_completion_request(const Json& body, const Pr
     return bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
                        "continue_final_message");
   if (out->continue_final_message) out->add_generation_prompt = false;
+  // Tools: [{"type": "function", "function": {"name", "description"?, "parameters"?}}].
+  if (const Json* tools = present(body, "tools")) {
+    if (!tools->is_array()) return type_error("tools", "an array of tools", *tools);
+    for (const Json& t : *tools) {
+      const auto fn = t.find("function");
+      if (!t.is_object() || t.value("type", std::string("function")) != "function" || fn == t.end() ||
+          !fn->is_object() || !fn->contains("name") || !(*fn)["name"].is_string() ||
+          (*fn)["name"].get<std::string>().empty())
+        return bad_request("every tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}", "tools");
+    }
+    if (!tools->empty()) out->tools = OJson(*tools);
+  }
+  if (const Json* choice = present(body, "tool_choice")) {
+    if (choice->is_string() && (*choice == "auto" || *choice == "none")) {
+      out->tool_choice = choice->get<std::string>();
+    } else if (choice->is_string() && *choice != "required") {
+      return bad_request(fmt::format("'tool_choice' must be \"auto\", \"none\", \"required\" or a named function, "
+                                     "got {}", shown(*choice)),
+                         "tool_choice");
+    } else {
+      return bad_request("'tool_choice' \"required\" or a named function needs guided decoding, which moelora does "
+                         "not implement; use \"auto\"",
+                         "tool_choice");
+    }
+    if (out->tools.is_null() && out->tool_choice != "none")
+      return bad_request("'tool_choice' needs 'tools'", "tool_choice");
+  }
   return std::nullopt;
 }
 

@@ -2,11 +2,13 @@
 // become native structs, every field checked for type and range with an error that names it
 // (vLLM's conventions, its extensions included: top_k, min_p, stop_token_ids, ignore_eos,
 // include_stop_str_in_output, skip_special_tokens, return_token_ids; sglang's lora_path).
-// Unknown fields are ignored, as vLLM does; fields moelora cannot honour (penalties, logit_bias,
-// tools, best_of > n...) are refused rather than silently dropped.
+// Unknown fields are ignored, as vLLM does; every field vLLM documents is either honoured or
+// refused with a 400 that names it (best_of != n, beam search, guided decoding, prompt logprobs...),
+// never silently dropped.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -20,6 +22,9 @@ namespace moelora::server {
 struct ChatMessage {
   std::string role;     // system, user, assistant, tool, developer
   std::string content;  // text parts joined
+  // Tool-calling fields, passed to the chat template as sent: an assistant's "tool_calls", a
+  // tool result's "tool_call_id" and "name".
+  OJson tool_fields = OJson::object();
 };
 
 // A prompt as given: text, or token ids.
@@ -45,6 +50,13 @@ struct GenerationOptions {
   bool return_token_ids = false;
   bool want_logprobs = false;            // report the chosen token's logprob
   int top_logprobs = 0;                  // alternatives per token
+  // vLLM's bad_words as sent; the server tokenizes them into sampling.bad_words
+  // (tokenize_bad_words) because the parser has no tokenizer.
+  std::vector<std::string> bad_words;
+  std::optional<bool> add_special_tokens;       // default: true for completions, false for chat
+  std::optional<int> truncate_prompt_tokens;    // keep only the last k prompt tokens (-1: max_model_len)
+  std::string cache_salt;                       // vLLM: prefix-cache entries are shared only under the same salt
+  std::optional<std::string> request_id;        // vLLM: the response id's suffix (X-Request-Id wins)
 };
 
 struct CompletionRequest {
@@ -58,13 +70,21 @@ struct ChatCompletionRequest {
   std::vector<ChatMessage> messages;
   bool add_generation_prompt = true;
   bool continue_final_message = false;
+  // Tool calling: the function definitions (null when none) and tool_choice "auto" or "none"
+  // ("required" and named functions need guided decoding and are refused).
+  OJson tools = nullptr;
+  std::string tool_choice = "auto";
 };
 
 // Limits the parser enforces.
 struct ProtocolLimits {
   int max_n = 64;
   int max_stop_strings = 64;
-  int max_prompts = 64;  // prompts in one completions request
+  int max_prompts = 64;       // prompts in one completions request
+  int max_choices = 128;      // prompts x n: the engine sequences one request may hold
+  int max_logit_bias = 1024;  // entries of logit_bias (vLLM's limit)
+  int max_bad_words = 128;
+  int vocab_size = 0;         // token ids must be below it (0: not checked here; the engine checks)
 };
 
 // Each returns nullopt on success (filling `out`) or the error to answer.
@@ -72,6 +92,15 @@ std::optional<ApiError> parse_completion_request(const Json& body, const Protoco
                                                  CompletionRequest* out);
 std::optional<ApiError> parse_chat_completion_request(const Json& body, const ProtocolLimits& limits,
                                                       ChatCompletionRequest* out);
+
+// vLLM's bad_words rule: each word is encoded without special tokens as given (leading spaces
+// stripped) and again after one leading space; the spaced form is kept only when it is a
+// different word token of the same length (a tokenizer with add_prefix_space would otherwise ban
+// the same sequence twice). `encode` returns the ids of a text. The engine bans a sequence's last
+// token where the tokens before it were just generated.
+using EncodeFn = std::function<Result<std::vector<int32_t>>(const std::string&)>;
+std::optional<ApiError> tokenize_bad_words(const std::vector<std::string>& words, const EncodeFn& encode,
+                                           int vocab_size, std::vector<std::vector<int32_t>>* out);
 
 // Chat messages alone (also used by /tokenize).
 std::optional<ApiError> parse_chat_messages(const Json& messages, std::vector<ChatMessage>* out);

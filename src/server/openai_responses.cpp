@@ -71,9 +71,14 @@ OJson choice_json(ApiKind kind, const ChoiceOutput& c, bool chunk) {
     OJson delta = OJson::object();
     if (c.role) delta["role"] = "assistant";
     if (!c.text.empty() || c.role) delta["content"] = c.text;
+    if (c.tool_calls && !c.tool_calls->empty()) delta["tool_calls"] = *c.tool_calls;
     j["delta"] = std::move(delta);
   } else {
     j["message"] = {{"role", "assistant"}, {"content", c.text}};
+    if (c.tool_calls && !c.tool_calls->empty()) {
+      if (c.text.empty()) j["message"]["content"] = nullptr;  // as OpenAI answers a pure tool call
+      j["message"]["tool_calls"] = *c.tool_calls;
+    }
   }
   j["logprobs"] = c.logprobs ? *c.logprobs : OJson(nullptr);
   j["finish_reason"] = c.finish_reason ? OJson(*c.finish_reason) : OJson(nullptr);

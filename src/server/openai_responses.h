@@ -57,6 +57,9 @@ struct ChoiceOutput {
   OJson stop_reason;                     // null, a stop string or a stop token id
   std::optional<std::vector<int32_t>> token_ids;
   std::optional<std::vector<int32_t>> prompt_token_ids;
+  // Chat: parsed tool calls (tool_calls.h). A chunk carries delta objects, a response the
+  // whole calls; with calls, an empty content is null in a response.
+  std::optional<OJson> tool_calls;
 };
 
 // A streamed chunk with these choices (usage: null, or the counts when continuous).

@@ -19,6 +19,7 @@ double seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 void RequestChannel::deliver(int choice, const RequestOutput& out) {
   const Clock::time_point now = Clock::now();
+  std::function<void()> listener;
   {
     std::lock_guard<std::mutex> lk(mu_);
     ChoiceDelivery& m = mail_[choice];
@@ -27,6 +28,7 @@ void RequestChannel::deliver(int choice, const RequestOutput& out) {
       if (!t.got_first) metrics_->observe_time_to_first_token(seconds(now - arrival_));
       else metrics_->observe_inter_token_latency(seconds(now - t.last_token) / static_cast<double>(out.tokens.size()));
     }
+    if (!out.tokens.empty() && first_token_s_ < 0) first_token_s_ = seconds(now - arrival_);
     if (!out.tokens.empty()) {
       t.got_first = true;
       t.last_token = now;
@@ -44,8 +46,20 @@ void RequestChannel::deliver(int choice, const RequestOutput& out) {
                                    out.prompt_tokens, out.completion_tokens);
     }
     pending_ = true;
+    listener = listener_;
   }
   cv_.notify_one();
+  if (listener) listener();
+}
+
+void RequestChannel::set_listener(std::function<void()> listener) {
+  std::lock_guard<std::mutex> lk(mu_);
+  listener_ = std::move(listener);
+}
+
+double RequestChannel::first_token_seconds() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return first_token_s_;
 }
 
 bool RequestChannel::wait_take(std::chrono::milliseconds timeout, std::vector<ChoiceDelivery>* out) {

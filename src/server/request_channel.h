@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -50,6 +51,13 @@ class RequestChannel {
 
   int num_choices() const { return static_cast<int>(mail_.size()); }
 
+  // Called (outside the lock, on the engine thread) after every delivery: the HTTP session
+  // uses it to wake up and write, instead of a thread blocking in wait_take. Must be quick.
+  void set_listener(std::function<void()> listener);
+
+  // Seconds from arrival to the first token of any choice (negative: none yet), for the log.
+  double first_token_seconds() const;
+
  private:
   struct Timing {
     bool got_first = false;
@@ -58,11 +66,13 @@ class RequestChannel {
     RequestOutcome override_outcome = RequestOutcome::kStop;
   };
 
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<ChoiceDelivery> mail_;
   std::vector<Timing> timing_;
   bool pending_ = false;
+  std::function<void()> listener_;
+  double first_token_s_ = -1.0;
   Clock::time_point arrival_;
   ServerMetrics* metrics_;
 };

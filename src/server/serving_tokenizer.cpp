@@ -30,15 +30,20 @@ Result<std::vector<int32_t>> ServingTokenizer::encode(std::string_view text, boo
 }
 
 Result<std::vector<int32_t>> ServingTokenizer::encode_chat(const std::vector<ChatMessage>& messages,
-                                                           bool add_generation_prompt,
-                                                           bool continue_final_message) const {
+                                                           bool add_generation_prompt, bool continue_final_message,
+                                                           const OJson& tools) const {
   if (!tok_) return invalid_argument("chat completions need the model's tokenizer.json, which this model lacks");
   if (!tok_->has_chat_template())
     return invalid_argument("this model has no chat template (tokenizer_config.json chat_template); "
                             "use /v1/completions");
   nlohmann::ordered_json msgs = nlohmann::ordered_json::array();
-  for (const ChatMessage& m : messages) msgs.push_back({{"role", m.role}, {"content", m.content}});
+  for (const ChatMessage& m : messages) {
+    nlohmann::ordered_json msg = {{"role", m.role}, {"content", m.content}};
+    for (const auto& [key, value] : m.tool_fields.items()) msg[key] = value;
+    msgs.push_back(std::move(msg));
+  }
   ChatTemplateArgs args;
+  args.tools = tools;
   args.add_generation_prompt = add_generation_prompt && !continue_final_message;
   MOELORA_ASSIGN_OR_RETURN(std::string text, tok_->apply_chat_template(msgs, args));
   if (continue_final_message) {
@@ -53,13 +58,21 @@ Result<std::vector<int32_t>> ServingTokenizer::encode_chat(const std::vector<Cha
   return tok_->encode(text, /*add_special_tokens=*/false);
 }
 
+ToolCallFormat ServingTokenizer::tool_call_format() const {
+  if (!tok_) return ToolCallFormat::kNone;
+  return detect_tool_call_format([this](std::string_view t) { return tok_->token_to_id(t).has_value(); },
+                                 [this](std::string_view t) { return tok_->chat_template_mentions(t); });
+}
+
 std::string ServingTokenizer::decode(std::span<const int32_t> ids, bool skip_special_tokens) const {
   return tok_ ? tok_->decode(ids, skip_special_tokens) : std::string();
 }
 
 std::unique_ptr<StreamDecoder> ServingTokenizer::stream_decoder(bool skip_special_tokens) const {
   if (!tok_) return nullptr;
-  return std::make_unique<StreamDecoder>(tok_->bpe_ptr(), skip_special_tokens);
+  // Generated text continues the prompt: a SentencePiece tokenizer must keep the space of the
+  // first generated word (" Paris" after "The capital is"), as vLLM does.
+  return std::make_unique<StreamDecoder>(tok_->bpe_ptr(), skip_special_tokens, /*continues_text=*/true);
 }
 
 std::string ServingTokenizer::token_bytes(int32_t id) const {

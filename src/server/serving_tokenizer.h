@@ -13,6 +13,7 @@
 
 #include "core/status.h"
 #include "server/openai_protocol.h"
+#include "server/tool_calls.h"
 
 namespace moelora {
 class BpeTokenizer;
@@ -36,8 +37,11 @@ class ServingTokenizer {
   Result<std::vector<int32_t>> encode(std::string_view text, bool add_special_tokens) const;
   // The prompt of a chat: the template rendered, then encoded without adding special tokens
   // again (the template writes them).
+  // `tools`: the request's tool definitions (null: none), given to the template.
   Result<std::vector<int32_t>> encode_chat(const std::vector<ChatMessage>& messages, bool add_generation_prompt,
-                                           bool continue_final_message) const;
+                                           bool continue_final_message, const OJson& tools = nullptr) const;
+  // How this model writes tool calls (kNone: unknown, tool calls are not parsed).
+  ToolCallFormat tool_call_format() const;
   std::string decode(std::span<const int32_t> ids, bool skip_special_tokens) const;
   // A fresh incremental decoder for one streamed choice (null without a tokenizer).
   std::unique_ptr<StreamDecoder> stream_decoder(bool skip_special_tokens) const;

@@ -1,8 +1,8 @@
 // Server-sent events as OpenAI-compatible servers write them: every event is one
 // `data: <json>\n\n` frame, the stream ends with `data: [DONE]\n\n`, and an error after the
 // stream started (the status is already 200) is a `data: {"error": {...}}` frame before [DONE].
-// Comment frames (`: ...\n\n`) are ignored by clients; the server sends them as heartbeats so
-// that a client that went away is noticed (cpp-httplib only sees a disconnect when a write fails).
+// Comment frames (`: ...\n\n`) are ignored by clients; the server sends them as heartbeats on
+// idle streams, which keeps proxies from timing the connection out.
 #pragma once
 
 #include <string>

@@ -5,8 +5,6 @@
 //   /detokenize {"model"?, "tokens"} -> {"prompt"}
 // The model field is checked like a generation request's (404 when unknown); every adapter
 // shares the base model's tokenizer.
-#include <httplib.h>
-
 #include <fmt/format.h>
 
 #include "server/server_state.h"
@@ -15,7 +13,7 @@ namespace moelora::server {
 
 namespace {
 
-void handle_tokenize(ServerState& st, const httplib::Request& req, httplib::Response& res) {
+void handle_tokenize(ServerState& st, const HttpRequest& req, HttpResponse& res) {
   Json body;
   if (auto e = parse_json_body(req.body, &body)) return st.send_error(res, *e);
   std::optional<std::string> model, prompt;
@@ -39,7 +37,7 @@ void handle_tokenize(ServerState& st, const httplib::Request& req, httplib::Resp
     ids = st.tokenizer->encode(*prompt, add_special.value_or(true));
   }
   if (!ids.ok()) return st.send_error(res, from_status(ids.status(), "prompt"));
-  OJson out = {{"count", ids->size()}, {"max_model_len", st.engine.max_model_len()}, {"tokens", *ids}};
+  OJson out = {{"count", ids->size()}, {"max_model_len", st.engine().max_model_len()}, {"tokens", *ids}};
   if (return_strs.value_or(false)) {
     OJson strs = OJson::array();
     for (int32_t id : *ids) strs.push_back(st.tokenizer->token_bytes(id));
@@ -50,7 +48,7 @@ void handle_tokenize(ServerState& st, const httplib::Request& req, httplib::Resp
   st.send_json(res, 200, out);
 }
 
-void handle_detokenize(ServerState& st, const httplib::Request& req, httplib::Response& res) {
+void handle_detokenize(ServerState& st, const HttpRequest& req, HttpResponse& res) {
   Json body;
   if (auto e = parse_json_body(req.body, &body)) return st.send_error(res, *e);
   std::optional<std::string> model;
@@ -71,10 +69,9 @@ void handle_detokenize(ServerState& st, const httplib::Request& req, httplib::Re
 
 }  // namespace
 
-void register_tokenize_routes(httplib::Server& http, ServerState& st) {
-  http.Post("/tokenize", [&st](const httplib::Request& req, httplib::Response& res) { handle_tokenize(st, req, res); });
-  http.Post("/detokenize",
-            [&st](const httplib::Request& req, httplib::Response& res) { handle_detokenize(st, req, res); });
+void register_tokenize_routes(Router& router) {
+  router.add("POST", "/tokenize", RouteKind::kApi, handle_tokenize);
+  router.add("POST", "/detokenize", RouteKind::kApi, handle_detokenize);
 }
 
 }  // namespace moelora::server

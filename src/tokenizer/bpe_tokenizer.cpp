@@ -40,25 +40,6 @@ Result<std::vector<AddedToken>> parse_added_tokens(const Json& root, std::string
   return tokens;
 }
 
-// Only byte-level decoding is implemented: it is per token, so streaming is exact.
-Status check_decoder(const Json& decoder, std::string_view what) {
-  if (decoder.is_object()) {
-    MOELORA_ASSIGN_OR_RETURN(auto type, json_get_string(decoder, "type", what));
-    if (type == "ByteLevel") return {};
-    if (type == "Sequence") {
-      const auto it = decoder.find("decoders");
-      if (it != decoder.end() && it->is_array() && !it->empty()) {
-        for (const Json& d : *it) MOELORA_RETURN_IF_ERROR(check_decoder(d, what));
-        return {};
-      }
-    }
-    return unsupported("{}: decoder type '{}' is not supported (moelora serves byte-level BPE tokenizers: "
-                       "the decoder must be ByteLevel)",
-                       what, type);
-  }
-  return unsupported("{}: a ByteLevel decoder is required (moelora serves byte-level BPE tokenizers)", what);
-}
-
 struct SpecialTemplate {
   std::vector<int32_t> prefix, suffix;
 };
@@ -154,7 +135,7 @@ Result<std::shared_ptr<BpeTokenizer>> BpeTokenizer::from_json_text(std::string_v
   MOELORA_ASSIGN_OR_RETURN(t->normalizer_, make_normalizer(field("normalizer"), options.compat, where + ": normalizer"));
   MOELORA_ASSIGN_OR_RETURN(t->pre_tokenizer_,
                            make_pre_tokenizer(field("pre_tokenizer"), options.compat, where + ": pre_tokenizer"));
-  MOELORA_RETURN_IF_ERROR(check_decoder(field("decoder"), where));
+  MOELORA_ASSIGN_OR_RETURN(t->decoder_, TokenDecoder::from_json(field("decoder"), options.compat, where + ": decoder"));
   MOELORA_ASSIGN_OR_RETURN(t->added_tokens_, parse_added_tokens(root, where));
 
   std::vector<std::string> normalized_contents;
@@ -179,9 +160,7 @@ Result<std::shared_ptr<BpeTokenizer>> BpeTokenizer::from_json_text(std::string_v
   t->token_bytes_.resize(static_cast<size_t>(t->model_.id_limit()));
   for (int32_t id = 0; id < t->model_.id_limit(); ++id) {
     const std::string* token = t->model_.id_to_token(id);
-    if (token == nullptr) continue;
-    // A token that is not made of byte-level symbols is kept as its UTF-8 text (as Rust does).
-    if (!byte_level::decode(*token, t->token_bytes_[id])) t->token_bytes_[id] = *token;
+    if (token != nullptr) t->token_bytes_[id] = t->decoder_.token_bytes(*token, /*first=*/false);
   }
   return t;
 }
@@ -202,17 +181,17 @@ std::vector<int32_t> BpeTokenizer::encode(std::string_view text, bool add_specia
     if (s.id >= 0) {
       ids.push_back(s.id);
     } else {
-      encode_ordinary(valid.substr(s.begin, s.end - s.begin), ids);
+      encode_ordinary(valid.substr(s.begin, s.end - s.begin), s.begin == 0, ids);
     }
   }
   if (add_special_tokens) ids.insert(ids.end(), suffix_ids_.begin(), suffix_ids_.end());
   return ids;
 }
 
-void BpeTokenizer::encode_ordinary(std::string text, std::vector<int32_t>& ids) const {
+void BpeTokenizer::encode_ordinary(std::string text, bool at_start, std::vector<int32_t>& ids) const {
   if (normalizer_) text = normalizer_->normalize(std::move(text));
   if (normalized_matcher_.empty()) {
-    encode_normalized(text, ids);
+    encode_normalized(text, at_start, ids);
     return;
   }
   std::vector<AddedTokenMatcher::Segment> segments;
@@ -221,15 +200,15 @@ void BpeTokenizer::encode_ordinary(std::string text, std::vector<int32_t>& ids) 
     if (s.id >= 0) {
       ids.push_back(s.id);
     } else {
-      encode_normalized(std::string_view(text).substr(s.begin, s.end - s.begin), ids);
+      encode_normalized(std::string_view(text).substr(s.begin, s.end - s.begin), at_start && s.begin == 0, ids);
     }
   }
 }
 
-void BpeTokenizer::encode_normalized(std::string_view text, std::vector<int32_t>& ids) const {
+void BpeTokenizer::encode_normalized(std::string_view text, bool at_start, std::vector<int32_t>& ids) const {
   if (text.empty()) return;
   std::vector<std::string> pieces{std::string(text)};
-  if (pre_tokenizer_) pre_tokenizer_->pre_tokenize(pieces);
+  if (pre_tokenizer_) pre_tokenizer_->pre_tokenize(pieces, &at_start);
   for (const std::string& piece : pieces) model_.encode_word(piece, ids);
 }
 
@@ -249,29 +228,41 @@ BpeTokenizer::Piece BpeTokenizer::piece(int32_t id) const {
   return p;
 }
 
+std::string BpeTokenizer::first_piece_bytes(int32_t id) const {
+  const Piece p = piece(id);
+  if (p.kind != Piece::kBytes || !decoder_.has_first_token_rule()) return std::string(p.text);
+  return decoder_.token_bytes(*model_.id_to_token(id), /*first=*/true);
+}
+
 std::string BpeTokenizer::decode(std::span<const int32_t> ids, bool skip_special_tokens) const {
   std::string out;
-  std::string bytes;  // byte-level text not yet turned into characters
+  std::string bytes;  // token bytes not yet turned into characters
   const auto flush = [&] {
     out += utf8::is_valid(bytes) ? bytes : utf8::sanitize(bytes);
     bytes.clear();
   };
+  bool first = true;  // the decoder's first-token rule applies to the first token kept
   for (int32_t id : ids) {
     const Piece p = piece(id);
     switch (p.kind) {
       case Piece::kNone:
         break;
       case Piece::kBytes:
-        bytes.append(p.text);
+        if (first) bytes += first_piece_bytes(id);
+        else bytes.append(p.text);
+        first = false;
         break;
       case Piece::kAddedToken:
         if (skip_special_tokens && p.special) break;
         flush();
         out.append(p.text);
+        first = false;
         break;
     }
   }
   flush();
+  int budget = decoder_.lead_strip_count();
+  strip_leading(out, decoder_.lead_strip_char(), &budget);
   return out;
 }
 

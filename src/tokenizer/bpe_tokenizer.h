@@ -1,11 +1,13 @@
-// A Hugging Face tokenizer.json with a byte-level BPE model (Qwen, DeepSeek, GPT-2, Llama 3...):
-// added tokens, normalizer, pre-tokenizer, BPE model, post-processor and byte-level decoder.
+// A Hugging Face tokenizer.json with a BPE model: byte-level (Qwen, DeepSeek, GPT-2, Llama 3...)
+// or SentencePiece-style with byte fallback (Llama 2, Mistral, Mixtral): added tokens,
+// normalizer, pre-tokenizer, BPE model, post-processor and decoder (token_decoder.h).
 //
 // encode: bytes -> valid UTF-8 (ill-formed sequences become U+FFFD) -> added tokens split out
 //   -> normalize -> pre-tokenize (regex splits, byte-level symbols) -> BPE merges -> ids
 //   -> post-processor (special tokens around the sequence, when asked).
-// decode: ids -> bytes of each token (added tokens verbatim) -> text, where bytes that do not
-//   form valid UTF-8 become U+FFFD. StreamDecoder does the same incrementally.
+// decode: ids -> bytes of each token (added tokens verbatim; the first token and the start of
+//   the text by the decoder's rules, e.g. SentencePiece's prefix space removed) -> text, where
+//   bytes that do not form valid UTF-8 become U+FFFD. StreamDecoder does the same incrementally.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +25,7 @@
 #include "tokenizer/bpe_model.h"
 #include "tokenizer/pretokenizer_regex.h"
 #include "tokenizer/text_pipeline.h"
+#include "tokenizer/token_decoder.h"
 
 namespace moelora {
 
@@ -54,6 +57,10 @@ class BpeTokenizer {
     std::string_view text;
   };
   Piece piece(int32_t id) const;
+  // What a vocabulary token contributes when it is the first token of a text (differs from
+  // piece(id).text only under a Metaspace decoder, which drops the prefix space).
+  std::string first_piece_bytes(int32_t id) const;
+  const TokenDecoder& token_decoder() const { return decoder_; }
 
   std::optional<int32_t> token_to_id(std::string_view token) const;
   // The token string of an id as in the vocabulary ("Ġhello", "<|im_end|>"), if the id exists.
@@ -73,13 +80,15 @@ class BpeTokenizer {
 
  private:
   BpeTokenizer() = default;
-  void encode_ordinary(std::string text, std::vector<int32_t>& ids) const;
-  void encode_normalized(std::string_view text, std::vector<int32_t>& ids) const;
+  // `at_start`: the text begins at offset 0 of the input (Metaspace's prepend_scheme "first").
+  void encode_ordinary(std::string text, bool at_start, std::vector<int32_t>& ids) const;
+  void encode_normalized(std::string_view text, bool at_start, std::vector<int32_t>& ids) const;
 
   BpeTokenizerOptions options_;
   BpeModel model_;
   std::unique_ptr<Normalizer> normalizer_;
   std::unique_ptr<PreTokenizer> pre_tokenizer_;
+  TokenDecoder decoder_;
   std::vector<AddedToken> added_tokens_;
   std::unordered_map<std::string, int32_t> added_by_content_;
   AddedTokenMatcher raw_matcher_;         // added tokens matched before normalization

@@ -144,11 +144,12 @@ class SplitPreTokenizer final : public PreTokenizer {
  public:
   SplitPreTokenizer(Pattern pattern, SplitBehavior behavior, bool invert)
       : pattern_(std::move(pattern)), behavior_(behavior), invert_(invert) {}
-  void pre_tokenize(std::vector<std::string>& pieces) const override {
+  void pre_tokenize(std::vector<std::string>& pieces, bool* first_at_start) const override {
     std::vector<std::string> out;
     out.reserve(pieces.size() * 2);
     std::vector<std::pair<size_t, size_t>> matches;
-    for (const std::string& piece : pieces) {
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const std::string& piece = pieces[i];
       matches.clear();
       if (pattern_.regex) {
         pattern_.regex->find_all(piece, matches);
@@ -158,7 +159,10 @@ class SplitPreTokenizer final : public PreTokenizer {
           matches.emplace_back(pos, pos + lit.size());
         }
       }
-      for (std::string& s : split_by_matches(piece, matches, behavior_, invert_)) out.push_back(std::move(s));
+      size_t first_begin = 0;
+      for (std::string& s : split_by_matches(piece, matches, behavior_, invert_, &first_begin)) out.push_back(std::move(s));
+      // A removed delimiter at the front moves the first piece away from the input's start.
+      if (i == 0 && first_begin != 0) *first_at_start = false;
     }
     pieces = std::move(out);
   }
@@ -173,7 +177,7 @@ class ByteLevelPreTokenizer final : public PreTokenizer {
  public:
   ByteLevelPreTokenizer(bool add_prefix_space, std::shared_ptr<const PretokenizerRegex> gpt2_regex)
       : add_prefix_space_(add_prefix_space), regex_(std::move(gpt2_regex)) {}
-  void pre_tokenize(std::vector<std::string>& pieces) const override {
+  void pre_tokenize(std::vector<std::string>& pieces, bool* /*first_at_start*/) const override {
     std::vector<std::string> out;
     out.reserve(pieces.size());
     std::vector<std::pair<size_t, size_t>> matches;
@@ -206,12 +210,60 @@ class ByteLevelPreTokenizer final : public PreTokenizer {
 class SequencePreTokenizer final : public PreTokenizer {
  public:
   explicit SequencePreTokenizer(std::vector<std::unique_ptr<PreTokenizer>> stages) : stages_(std::move(stages)) {}
-  void pre_tokenize(std::vector<std::string>& pieces) const override {
-    for (const auto& stage : stages_) stage->pre_tokenize(pieces);
+  void pre_tokenize(std::vector<std::string>& pieces, bool* first_at_start) const override {
+    for (const auto& stage : stages_) stage->pre_tokenize(pieces, first_at_start);
   }
 
  private:
   std::vector<std::unique_ptr<PreTokenizer>> stages_;
+};
+
+// SentencePiece's whitespace convention (Llama 2, Mistral, Mixtral): spaces become the
+// replacement character (U+2581 '▁'), one is put in front of the text, and with `split` each
+// piece is cut before every replacement character (Rust's MergedWithNext). prepend_scheme
+// "first" only prepends to the piece that starts the input, so text after an added token
+// such as [INST] gets no extra '▁'.
+enum class PrependScheme { kAlways, kFirst, kNever };
+
+class MetaspacePreTokenizer final : public PreTokenizer {
+ public:
+  MetaspacePreTokenizer(std::string replacement, PrependScheme scheme, bool split)
+      : replacement_(std::move(replacement)), scheme_(scheme), split_(split) {}
+  void pre_tokenize(std::vector<std::string>& pieces, bool* first_at_start) const override {
+    std::vector<std::string> out;
+    out.reserve(pieces.size());
+    std::vector<std::pair<size_t, size_t>> matches;
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      std::string text = replace_spaces(pieces[i]);
+      const bool prepend = scheme_ == PrependScheme::kAlways || (scheme_ == PrependScheme::kFirst && i == 0 && *first_at_start);
+      if (prepend && !text.starts_with(replacement_)) text.insert(0, replacement_);
+      if (!split_) {
+        if (!text.empty()) out.push_back(std::move(text));
+        continue;
+      }
+      matches.clear();
+      for (size_t pos = text.find(replacement_); pos != std::string::npos; pos = text.find(replacement_, pos + replacement_.size())) {
+        matches.emplace_back(pos, pos + replacement_.size());
+      }
+      for (std::string& s : split_by_matches(text, matches, SplitBehavior::kMergedWithNext, false)) out.push_back(std::move(s));
+    }
+    pieces = std::move(out);
+  }
+
+ private:
+  std::string replace_spaces(const std::string& text) const {
+    if (text.find(' ') == std::string::npos) return text;
+    std::string out;
+    out.reserve(text.size() + text.size() / 2);
+    for (char c : text) {
+      if (c == ' ') out += replacement_;
+      else out += c;
+    }
+    return out;
+  }
+  std::string replacement_;
+  PrependScheme scheme_;
+  bool split_;
 };
 
 // GPT-2's own splitting, used by a ByteLevel pre-tokenizer with use_regex (the default).
@@ -298,12 +350,31 @@ Result<std::unique_ptr<PreTokenizer>> make_pre_tokenizer(const Json& config, Tok
     }
     return std::unique_ptr<PreTokenizer>(new ByteLevelPreTokenizer(add_prefix_space.value_or(true), regex));
   }
-  return unsupported("{}: pre-tokenizer type '{}' is not supported (supported: Split, ByteLevel, Sequence)", what,
-                     type);
+  if (type == "Metaspace") {
+    MOELORA_ASSIGN_OR_RETURN(auto replacement, json_get_string(config, "replacement", what));
+    if (utf8::to_code_points(replacement).size() != 1 || !utf8::is_valid(replacement)) {
+      return invalid_argument("{}: Metaspace \"replacement\" must be one character", what);
+    }
+    // tokenizers >= 0.19 writes prepend_scheme; older files only add_prefix_space (which meant
+    // "always"). A file with both (0.15-0.18) is decided by prepend_scheme.
+    MOELORA_ASSIGN_OR_RETURN(auto scheme_name, json_opt_string(config, "prepend_scheme", what));
+    MOELORA_ASSIGN_OR_RETURN(auto add_prefix_space, json_opt_bool(config, "add_prefix_space", what));
+    MOELORA_ASSIGN_OR_RETURN(auto split, json_opt_bool(config, "split", what));
+    PrependScheme scheme = add_prefix_space.value_or(true) ? PrependScheme::kAlways : PrependScheme::kNever;
+    if (scheme_name) {
+      if (*scheme_name == "always") scheme = PrependScheme::kAlways;
+      else if (*scheme_name == "first") scheme = PrependScheme::kFirst;
+      else if (*scheme_name == "never") scheme = PrependScheme::kNever;
+      else return invalid_argument("{}: unknown Metaspace prepend_scheme '{}' (always, first, never)", what, *scheme_name);
+    }
+    return std::unique_ptr<PreTokenizer>(new MetaspacePreTokenizer(replacement, scheme, split.value_or(true)));
+  }
+  return unsupported("{}: pre-tokenizer type '{}' is not supported (supported: Split, ByteLevel, Metaspace, Sequence)",
+                     what, type);
 }
 
 std::vector<std::string> split_by_matches(std::string_view text, const std::vector<std::pair<size_t, size_t>>& matches,
-                                          SplitBehavior behavior, bool invert) {
+                                          SplitBehavior behavior, bool invert, size_t* first_begin) {
   // Segments covering the text: gaps and matches, each flagged as a delimiter or not.
   struct Segment {
     size_t begin, end;
@@ -363,8 +434,11 @@ std::vector<std::string> split_by_matches(std::string_view text, const std::vect
   }
   std::vector<std::string> out;
   out.reserve(pieces.size());
+  if (first_begin != nullptr) *first_begin = text.size();
   for (const auto& [begin, end] : pieces) {
-    if (end > begin) out.emplace_back(text.substr(begin, end - begin));
+    if (end <= begin) continue;
+    if (first_begin != nullptr && out.empty()) *first_begin = begin;
+    out.emplace_back(text.substr(begin, end - begin));
   }
   return out;
 }

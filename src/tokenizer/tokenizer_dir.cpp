@@ -52,6 +52,7 @@ Result<std::shared_ptr<Tokenizer>> Tokenizer::load(const std::string& dir, const
     MOELORA_ASSIGN_OR_RETURN(auto source, read_text_file(jinja_file.string()));
     auto compiled = ChatTemplate::compile(source, t->special_tokens_);
     t->templates_.clear();
+    t->template_sources_ = {source};
     if (compiled.ok()) {
       t->templates_["default"] = *compiled;
       t->template_error_ = Status();
@@ -130,6 +131,7 @@ Status Tokenizer::load_config(const std::string& path) {
     return invalid_argument("{}: chat_template must be a string or a list of named templates", path);
   }
   for (const auto& [name, source] : sources) {
+    template_sources_.push_back(source);
     auto compiled = ChatTemplate::compile(source, special_tokens_);
     if (!compiled.ok()) {
       // The tokenizer still serves completions; chat requests get this error.

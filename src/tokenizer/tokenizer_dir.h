@@ -33,11 +33,21 @@ class Tokenizer {
   // what vLLM's /tokenize and /v1/completions do by default. Chat prompts already hold them.
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = true) const;
   std::string decode(std::span<const int32_t> ids, bool skip_special_tokens = false) const;
-  StreamDecoder stream_decoder(bool skip_special_tokens = true) const { return StreamDecoder(bpe_, skip_special_tokens); }
+  // continues_text: the ids follow a prompt (see StreamDecoder), so no start-of-text rule applies.
+  StreamDecoder stream_decoder(bool skip_special_tokens = true, bool continues_text = false) const {
+    return StreamDecoder(bpe_, skip_special_tokens, continues_text);
+  }
   // kInvalidArgument naming the first id that is not in the vocabulary.
   Status validate_ids(std::span<const int32_t> ids) const;
 
   bool has_chat_template() const { return !templates_.empty() || !template_error_.ok(); }
+  // Whether a chat template's source contains `text` (how the server recognises a model's
+  // tool-call format when its markers are not tokens).
+  bool chat_template_mentions(std::string_view text) const {
+    for (const auto& s : template_sources_)
+      if (s.find(text) != std::string::npos) return true;
+    return false;
+  }
   // The prompt text for a conversation (see ChatTemplateArgs).
   Result<std::string> apply_chat_template(const nlohmann::ordered_json& messages, const ChatTemplateArgs& args = {}) const;
   Result<std::string> apply_chat_template(const nlohmann::ordered_json& messages, bool add_generation_prompt,
@@ -76,6 +86,7 @@ class Tokenizer {
   nlohmann::ordered_json special_tokens_ = nlohmann::ordered_json::object();  // what templates see
   std::map<std::string, std::shared_ptr<const ChatTemplate>> templates_;       // by name; "default"
   Status template_error_;  // why the chat template could not be compiled, if it could not
+  std::vector<std::string> template_sources_;
 };
 
 }  // namespace moelora

@@ -197,10 +197,10 @@ describe('load', () => {
 });
 
 describe('overload', () => {
-  test('past the HTTP thread budget, generation gets 503 while /health and /metrics still answer', async () => {
-    // 20 threads: 16 stay for control routes, so 4 generation requests at most; one running
-    // sequence at a time keeps those 4 open long enough to look.
-    const small = await startServer(['--http-threads', '20', '--max-num-seqs', '1']);
+  test('past --max-open-requests, generation gets 503 while /health and /metrics still answer', async () => {
+    // 4 generation responses at most, on 2 I/O threads; one running sequence at a time keeps
+    // those 4 open long enough to look.
+    const small = await startServer(['--max-open-requests', '4', '--http-threads', '2', '--max-num-seqs', '1']);
     try {
       const body = { model: BASE, prompt: 'hold the line', max_tokens: 200, ignore_eos: true };
       const open = Array.from({ length: 4 }, () => streamCompletion(small.url, body));

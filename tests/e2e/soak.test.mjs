@@ -2,14 +2,15 @@
 // other adapters' traffic (streamed, non-streamed, clients that drop out) keeps the server busy,
 // with more adapters than slots (--max-loras-per-batch 2) and than host memory holds
 // (--max-loaded-loras 3), so slots and host copies churn all along, and a KV cache small enough
-// (--kv-cache-pages 40) that requests get preempted and recomputed. Bounded: a fixed number of
-// probes, a deadline, and the traffic stops with them; afterwards nothing is held and no request
-// failed.
+// (--kv-cache-pages 40) that requests get preempted and recomputed, while adapters are reloaded
+// in place (one with the same files, whose probes must not change; one alternating between two
+// adapters). Bounded: a fixed number of probes, a deadline, and the traffic stops with them;
+// afterwards nothing is held, no request failed, no 404 or 5xx was answered.
 import { after, before, test } from 'node:test';
 import assert from 'node:assert/strict';
 import http from 'node:http';
 
-import { assertNoLeaks, post, repoRoot, startServer, streamCompletion } from './lib/harness.mjs';
+import { assertNoLeaks, metrics, post, repoRoot, startServer, streamCompletion } from './lib/harness.mjs';
 
 const BASE = 'tiny-qwen3moe';
 const FIXTURES = `${repoRoot}/tests/fixtures/qwen3moe/adapters`;
@@ -62,6 +63,10 @@ test('seeded output is identical with and without concurrent traffic from other 
   const reference = alone.json.choices[0].token_ids;
   assert.equal(reference.length, 48);
   assert.deepEqual((await post(url, '/v1/completions', probe)).json.choices[0].token_ids, reference, 'not reproducible even alone');
+  // The same request through 'noise-attn' (the same files as attn-r8), reloaded in place below.
+  const reloadedProbe = { ...probe, model: 'noise-attn' };
+  assert.deepEqual((await post(url, '/v1/completions', reloadedProbe)).json.choices[0].token_ids, reference);
+  const errorsBefore = await metrics(url);  // /health answered 503 while the model loaded
 
   const started = Date.now();
   let stop = false;
@@ -93,11 +98,27 @@ test('seeded output is identical with and without concurrent traffic from other 
       }
     }
   };
-  const workers = Array.from({ length: 8 }, (_, i) => worker(i));
+  // In-place reloads: noise-attn with its own files (outputs must not change), noise-pattern
+  // alternating between two different adapters (its requests must never see a 404).
+  let reloads = 0;
+  const reloader = async () => {
+    for (let i = 0; !stop && Date.now() - started < DEADLINE_MS; i++) {
+      const [name, dir] = i % 2 === 0 ? ['noise-attn', 'attn-r8'] : ['noise-pattern', i % 4 === 1 ? 'mlp-rslora-r4' : 'pattern'];
+      const r = await post(url, '/v1/load_lora_adapter', { lora_name: name, lora_path: `${FIXTURES}/${dir}`, load_inplace: true });
+      if (r.status !== 200) failures.push(`reload ${name}: ${r.status} ${r.text.slice(0, 200)}`);
+      reloads++;
+      await new Promise((res) => setTimeout(res, 50));
+    }
+  };
+  const workers = [...Array.from({ length: 8 }, (_, i) => worker(i)), reloader()];
   try {
     for (let i = 0; i < PROBES; i++) {
       assert.ok(Date.now() - started < DEADLINE_MS, `the soak ran past ${DEADLINE_MS} ms`);
-      if (i % 2 === 0) {
+      if (i % 3 === 2) {
+        const r = await post(url, '/v1/completions', reloadedProbe);
+        assert.equal(r.status, 200, r.text);
+        assert.deepEqual(r.json.choices[0].token_ids, reference, `probe ${i} (reloaded in place) differs`);
+      } else if (i % 2 === 0) {
         const r = await post(url, '/v1/completions', probe);
         assert.equal(r.status, 200, r.text);
         assert.deepEqual(r.json.choices[0].token_ids, reference, `probe ${i} (non-streamed) differs under traffic`);
@@ -113,11 +134,16 @@ test('seeded output is identical with and without concurrent traffic from other 
   }
   assert.deepEqual(failures, []);
   assert.ok(trafficRequests > PROBES, `too little traffic: ${trafficRequests} requests`);
+  assert.ok(reloads > 4, `too few in-place reloads: ${reloads}`);
   const m = await assertNoLeaks(url);
   assert.equal(m.get('vllm:request_success_total', { finished_reason: 'error' }), 0);
+  for (const code of ['404', '500', '502', '503', '504']) {
+    const during = (m.get('moelora_http_errors_total', { code }) ?? 0) - (errorsBefore.get('moelora_http_errors_total', { code }) ?? 0);
+    assert.equal(during, 0, `HTTP ${code} answered ${during} time(s) during the soak`);
+  }
   assert.ok(m.get('moelora_lora_slots_total') === 2);
   // After the traffic, alone again: still the same.
   assert.deepEqual((await post(url, '/v1/completions', probe)).json.choices[0].token_ids, reference);
   console.log(`# soak: ${trafficRequests} traffic requests, ${PROBES} probes, ${Date.now() - started} ms, ` +
-    `${m.get('vllm:num_preemptions_total')} preemptions`);
+    `${m.get('vllm:num_preemptions_total')} preemptions, ${reloads} in-place reloads`);
 });

@@ -1,31 +1,80 @@
-// Op suite: device token choice (sampling.cuh). The CPU reference is written here (cpu_ops has
-// none): greedy argmax with ties to the lower index and log-softmax in f64; Gumbel-max with the
-// same Philox draws (philox_uniform is host/device code).
+// Op suite: Backend::sample on the device (cuda_sampler.cu + kernels/sampling.cu) against the CPU
+// reference (cpu::sample), row by row: the same token, the same top-logprob ids, logprobs within
+// kLogprobAbs. The contract (ops/backend.h) makes every decision with exact integer masses or
+// single correctly rounded double operations; the only allowed difference is a device exp/log
+// ulp right at a decision boundary, which these random cases do not hit (a mismatch fails).
 #include <cmath>
+#include <map>
 
-#include "backends/cuda/kernels/sampling.cuh"
+#include "backends/cpu/cpu_ops.h"
+#include "backends/cuda/cuda_backend.h"
 #include "tests/ops/dense_test_util.h"
 
 namespace moelora::ops_test {
 namespace {
 
-// logprob = x_id / T - logsumexp(x / T): f32 online log-sum-exp over <= 152k terms against f64;
-// relative 1e-6 of a value ~12 is ~1e-5 absolute; 1e-4 leaves margin.
+// logprob = x_id - logsumexp(x): the device sums f32 exps in f64 over <= 152k terms against the
+// reference's f64 exps; ~1e-6 relative of |logprob| ~ 12 is ~1e-5; 1e-4 leaves margin.
 constexpr double kLogprobAbs = 1e-4;
 
 struct SampleCase {
-  int rows = 3, vocab = 1000;
-  float temp = 0.0f;
-  bool specials = false;  // ties, -inf, NaN entries
-  std::string name() const {
-    char t[32];
-    std::snprintf(t, sizeof(t), "%.2f", temp);
-    return "SAMPLE(rows=" + std::to_string(rows) + ",vocab=" + std::to_string(vocab) +
-           (temp > 0 ? std::string(",temp=") + t : std::string(",greedy")) + (specials ? ",specials" : "") + ")";
-  }
+  std::string label;
+  int rows = 4, vocab = 1000;
+  SampleRow row;            // every row gets these parameters, with its own seed and step
+  bool specials = false;    // ties, -inf and NaN entries
+  bool edits = false;       // bias, bans and penalties on random tokens
+  bool allowed = false;     // restrict_to_allowed to 40 random tokens
+  std::string name() const { return "SAMPLE(" + label + ",rows=" + std::to_string(rows) + ",vocab=" + std::to_string(vocab) + ")"; }
 };
 
 void PrintTo(const SampleCase& c, std::ostream* os) { *os << c.name(); }
+
+SampleRow params(float t, int k = 0, float p = 1.0f, float min_p = 0.0f, int logprobs = 0) {
+  SampleRow r;
+  r.temperature = t, r.top_k = k, r.top_p = p, r.min_p = min_p, r.logprobs = logprobs;
+  return r;
+}
+
+// Logits like a language model's: a few strong tokens over a broad normal tail.
+std::vector<float> make_logits(Rng& rng, int rows, int vocab, int64_t ld) {
+  std::vector<float> x(static_cast<size_t>(rows) * ld, 0.0f);
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < vocab; ++i) x[r * ld + i] = rng.normal(2.0f);
+    for (int j = 0; j < 8; ++j) x[r * ld + rng.integer(0, vocab - 1)] += rng.uniform(4.0f, 12.0f);
+  }
+  return x;
+}
+
+std::vector<SampleRow> make_rows(const SampleCase& c, Rng& rng) {
+  std::vector<SampleRow> rows;
+  for (int r = 0; r < c.rows; ++r) {
+    SampleRow row = c.row;
+    row.seed = 0x9E3779B97F4A7C15ull * (r + 1);
+    row.step = static_cast<uint64_t>(rng.integer(0, 5000));
+    std::map<int32_t, LogitEdit> e;
+    if (c.edits) {
+      row.presence = 0.5f, row.frequency = 0.3f, row.repetition = 1.3f;
+      for (int j = 0; j < 60; ++j) {
+        LogitEdit& x = e[rng.integer(0, c.vocab - 1)];
+        const int kind = rng.integer(0, 3);
+        if (kind == 0) x.bias = rng.uniform(-100.0f, 100.0f);
+        if (kind == 1) x.banned = 1;
+        if (kind == 2) x.in_context = 1;
+        if (kind == 3) x.in_context = 1, x.out_count = rng.integer(1, 5);
+      }
+    }
+    if (c.allowed) {
+      row.restrict_to_allowed = true;
+      for (int j = 0; j < 40; ++j) e[rng.integer(0, c.vocab - 1)].allowed = 1;
+    }
+    for (auto& [t, x] : e) {
+      x.token = t;
+      row.edits.push_back(x);
+    }
+    rows.push_back(row);
+  }
+  return rows;
+}
 
 class Sample : public ::testing::TestWithParam<SampleCase> {};
 
@@ -33,98 +82,85 @@ TEST_P(Sample, MatchesReference) {
   MOELORA_REQUIRE_GPU();
   const SampleCase c = GetParam();
   Rng rng(seed_of(c.name()));
-  const int ld = c.vocab + 4;
-  std::vector<float> x(static_cast<size_t>(c.rows) * ld, 0.0f);
-  for (int r = 0; r < c.rows; ++r)
-    for (int i = 0; i < c.vocab; ++i) x[r * ld + i] = rng.normal(3.0f);
-  if (c.specials && c.rows > 0) {
-    x[0 * ld + 5] = x[0 * ld + 9] = 50.0f;  // a tie: the lower index wins
-    if (c.rows > 1) {
-      x[1 * ld + 0] = NAN;
-      x[1 * ld + 1] = -INFINITY;
-    }
+  const int64_t ld = c.vocab + 4;
+  std::vector<float> x = make_logits(rng, c.rows, c.vocab, ld);
+  if (c.specials) {
+    x[5] = x[9] = 80.0f;                   // a tie at the top: the lower id is first
+    if (c.rows > 1) x[ld + 0] = NAN, x[ld + 1] = -INFINITY;
+    if (c.rows > 2)
+      for (int i = 0; i < c.vocab; ++i) x[2 * ld + i] = 1.0f;  // all tied
+    if (c.rows > 3)
+      for (int i = 0; i < c.vocab; ++i) x[3 * ld + i] = -INFINITY;
   }
-  std::vector<float> temp(c.rows, c.temp);
-  std::vector<uint64_t> seed(c.rows), step(c.rows);
-  for (int r = 0; r < c.rows; ++r) seed[r] = 0x1234567890ull + 977 * r, step[r] = 3 + r;
-  DeviceArray<float> dx(x), dt(temp), dmax(c.rows), dlp(c.rows);
-  DeviceArray<uint64_t> ds(seed), dst(step);
-  DeviceArray<int32_t> ids(c.rows);
-  cuda::SampleParams p;
-  p.logits = dx.get(), p.ld = ld, p.rows = c.rows, p.vocab = c.vocab;
-  p.temperature = dt.get(), p.seed = ds.get(), p.step = dst.get();
-  p.ids = ids.get(), p.max_logit = dmax.get(), p.logprob = dlp.get();
-  cuda::launch_sample(p, nullptr);
-  MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto gid = ids.download();
-  const auto gmax = dmax.download();
-  const auto glp = dlp.download();
+  const std::vector<SampleRow> rows = make_rows(c, rng);
+  const std::vector<SampleOutput> want = cpu::sample(x.data(), ld, c.vocab, rows);
+
+  DeviceArray<float> dx(x);
+  Tensor logits = Tensor(dx.get(), DType::kF32, {c.rows, ld}, Device::kCuda).slice_cols(0, c.vocab);
+  CudaBackend backend(CudaBackendOptions{.arena_bytes = 64 << 20});
+  const std::vector<SampleOutput> got = backend.sample(logits, rows);
+  ASSERT_EQ(got.size(), want.size());
   for (int r = 0; r < c.rows; ++r) {
-    const float* row = &x[r * ld];
-    const double inv_t = c.temp > 0 ? 1.0 / c.temp : 1.0;
-    int best = -1;
-    double bkey = -INFINITY, m = -INFINITY;
-    std::vector<double> keys(c.vocab, -INFINITY);
-    for (int i = 0; i < c.vocab; ++i) {
-      if (std::isnan(row[i])) continue;
-      const float z = static_cast<float>(row[i] * static_cast<float>(inv_t));
-      m = std::max(m, static_cast<double>(z));
-      keys[i] = c.temp > 0 ? z - std::log(-std::log(cuda::philox_uniform(seed[r], step[r], i))) : row[i];
-      if (best < 0 || keys[i] > bkey) best = i, bkey = keys[i];
+    EXPECT_EQ(got[r].token, want[r].token) << "row " << r;
+    if (std::isfinite(want[r].logprob)) {
+      EXPECT_NEAR(got[r].logprob, want[r].logprob, kLogprobAbs) << "row " << r;
     }
-    double sum = 0.0;
-    for (int i = 0; i < c.vocab; ++i)
-      if (!std::isnan(row[i])) sum += std::exp(row[i] * inv_t - m);
-    const int id = gid[r];
-    if (id != best) {
-      // Only a near-tie of Gumbel keys may differ (device logf vs host log, last bits).
-      ASSERT_GE(id, 0);
-      ASSERT_LT(id, c.vocab);
-      EXPECT_NEAR(keys[id], bkey, 1e-5 * std::max(1.0, std::fabs(bkey))) << "row " << r;
+    ASSERT_EQ(got[r].top_logprobs.size(), want[r].top_logprobs.size()) << "row " << r;
+    for (size_t j = 0; j < want[r].top_logprobs.size(); ++j) {
+      EXPECT_EQ(got[r].top_logprobs[j].first, want[r].top_logprobs[j].first) << "row " << r << " rank " << j;
+      if (std::isfinite(want[r].top_logprobs[j].second)) {
+        EXPECT_NEAR(got[r].top_logprobs[j].second, want[r].top_logprobs[j].second, kLogprobAbs);
+      }
     }
-    EXPECT_EQ(gmax[r], row[id]);
-    EXPECT_NEAR(glp[r], row[id] * inv_t - (m + std::log(sum)), kLogprobAbs) << "row " << r;
   }
-  EXPECT_TRUE(ids.guard_intact() && dmax.guard_intact() && dlp.guard_intact());
+  EXPECT_TRUE(dx.guard_intact());
 }
 
 std::vector<SampleCase> sample_cases() {
-  return {{0, 100}, {1, 151936}, {7, 1000, 0.0f, true}, {256, 4096}, {5, 151936, 0.7f}, {64, 1000, 1.3f, true}};
+  const int kQwen = 151936;
+  return {
+      {"greedy", 1, kQwen, params(0.0f)},
+      {"greedy-logprobs", 7, 1000, params(0.0f, 0, 1.0f, 0.0f, 5), true},
+      {"temp", 64, 4096, params(0.8f)},
+      {"temp-qwen", 5, kQwen, params(1.0f, 0, 1.0f, 0.0f, 20)},
+      {"topk1", 8, 1000, params(1.0f, 1)},
+      {"topk50", 16, kQwen, params(0.7f, 50)},
+      {"topk-specials", 6, 1000, params(1.0f, 20), true},
+      {"topp0.9", 32, kQwen, params(1.0f, 0, 0.9f)},
+      {"topp0.5-specials", 6, 1000, params(1.2f, 0, 0.5f), true},
+      {"topp0.99-hot", 8, 32000, params(2.0f, 0, 0.99f)},
+      {"topk-topp-minp", 16, kQwen, params(0.9f, 100, 0.95f, 0.05f, 3)},
+      {"minp", 8, 4096, params(1.0f, 0, 1.0f, 0.2f)},
+      {"edits-greedy", 8, 4096, params(0.0f, 0, 1.0f, 0.0f, 2), false, true},
+      {"edits-topp", 8, kQwen, params(1.0f, 40, 0.8f), false, true},
+      {"allowed", 8, 4096, params(1.0f, 0, 0.9f), false, true, true},
+      {"allowed-greedy", 4, 1000, params(0.0f), false, false, true},
+      {"many-rows", 256, 4096, params(1.0f, 0, 0.95f, 0.0f, 1)},
+  };
 }
 std::string sample_name(const ::testing::TestParamInfo<SampleCase>& i) { return gtest_safe(i.param.name()); }
 INSTANTIATE_TEST_SUITE_P(Sample, Sample, ::testing::ValuesIn(sample_cases()), sample_name);
-INSTANTIATE_TEST_SUITE_P(SanitizeSample, Sample, ::testing::Values(SampleCase{3, 1000, 0.0f, true}, SampleCase{2, 600, 0.9f}),
+INSTANTIATE_TEST_SUITE_P(SanitizeSample, Sample,
+                         ::testing::Values(SampleCase{"san", 4, 600, params(0.9f, 10, 0.8f, 0.0f, 3), true, true}),
                          sample_name);
 
-// Gumbel-max draws follow softmax(x / T): 20000 rows of the same 6 logits, steps 0..19999.
-TEST(SampleDistribution, FollowsSoftmax) {
+// Seeded streams: 4000 consecutive steps of one request under top-p give the reference's tokens.
+TEST(SampleStream, SameTokensAsReferenceEveryStep) {
   MOELORA_REQUIRE_GPU();
-  const int rows = 20000, V = 6;
-  const float T = 0.8f;
-  const float logits[V] = {1.0f, 0.5f, -0.3f, 2.0f, 0.0f, 1.5f};
-  std::vector<float> x(static_cast<size_t>(rows) * V);
-  for (int r = 0; r < rows; ++r)
-    for (int i = 0; i < V; ++i) x[r * V + i] = logits[i];
-  std::vector<float> temp(rows, T);
-  std::vector<uint64_t> seed(rows, 42), step(rows);
-  for (int r = 0; r < rows; ++r) step[r] = r;
-  DeviceArray<float> dx(x), dt(temp);
-  DeviceArray<uint64_t> ds(seed), dst(step);
-  DeviceArray<int32_t> ids(rows);
-  cuda::SampleParams p;
-  p.logits = dx.get(), p.ld = V, p.rows = rows, p.vocab = V;
-  p.temperature = dt.get(), p.seed = ds.get(), p.step = dst.get(), p.ids = ids.get();
-  cuda::launch_sample(p, nullptr);
-  MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<int> count(V, 0);
-  for (int id : ids.download()) ++count[id];
-  double z = 0.0;
-  for (int i = 0; i < V; ++i) z += std::exp(logits[i] / T);
-  for (int i = 0; i < V; ++i) {
-    const double pr = std::exp(logits[i] / T) / z;
-    const double sd = std::sqrt(rows * pr * (1 - pr));
-    EXPECT_NEAR(count[i], rows * pr, 4 * sd) << "token " << i;  // 4 sigma: a false alarm ~1e-4
-  }
+  Rng rng(7);
+  const int V = 32000, steps = 4000;
+  std::vector<float> x = make_logits(rng, 1, V, V);
+  std::vector<float> many(static_cast<size_t>(steps) * V);
+  for (int s = 0; s < steps; ++s) std::copy(x.begin(), x.end(), many.begin() + static_cast<size_t>(s) * V);
+  std::vector<SampleRow> rows(steps, params(1.0f, 0, 0.9f));
+  for (int s = 0; s < steps; ++s) rows[s].seed = 1234, rows[s].step = s;
+  const auto want = cpu::sample(many.data(), V, V, rows);
+  DeviceArray<float> dx(many);
+  CudaBackend backend(CudaBackendOptions{.arena_bytes = 64 << 20});
+  const auto got = backend.sample(Tensor(dx.get(), DType::kF32, {steps, V}, Device::kCuda), rows);
+  int same = 0;
+  for (int s = 0; s < steps; ++s) same += got[s].token == want[s].token;
+  EXPECT_EQ(same, steps);
 }
 
 }  // namespace

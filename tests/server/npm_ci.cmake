@@ -1,7 +1,15 @@
-# Installs the e2e tests' pinned client (tests/e2e/package-lock.json) unless it is already there.
+# Installs the e2e tests' pinned client (tests/e2e/package-lock.json) unless that very version is
+# already there (a stale node_modules from an older pin is replaced).
+file(READ ${DIR}/package.json manifest)
+string(JSON wanted GET "${manifest}" dependencies openai)
 if(EXISTS ${DIR}/node_modules/openai/package.json)
-  message(STATUS "tests/e2e: node_modules present")
-  return()
+  file(READ ${DIR}/node_modules/openai/package.json installed_manifest)
+  string(JSON installed GET "${installed_manifest}" version)
+  if(installed STREQUAL wanted)
+    message(STATUS "tests/e2e: openai ${installed} present")
+    return()
+  endif()
+  message(STATUS "tests/e2e: openai ${installed} installed, ${wanted} pinned: reinstalling")
 endif()
 execute_process(COMMAND ${NPM} ci --no-audit --no-fund WORKING_DIRECTORY ${DIR} RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)

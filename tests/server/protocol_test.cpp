@@ -62,6 +62,82 @@ TEST(ServerProtocol, CompletionFieldsAndExtensions) {
   EXPECT_EQ(*r.opts.lora_path, "sql");
 }
 
+TEST(ServerProtocol, LogitProcessorsFollowVllm) {
+  CompletionRequest r;
+  ProtocolLimits limits;
+  limits.vocab_size = 1000;
+  ASSERT_FALSE(parse_completion_request(
+      parse(R"({"prompt": "x", "max_tokens": 8, "presence_penalty": -2, "frequency_penalty": 1.5,
+                "repetition_penalty": 2, "min_tokens": 8, "logit_bias": {"5": -100, "999": 100, "7": 0.5},
+                "allowed_token_ids": [1, 2, 999], "bad_words": ["hi", " there"], "truncate_prompt_tokens": -1,
+                "cache_salt": "tenant", "request_id": "abc", "add_special_tokens": false,
+                "use_beam_search": false, "prompt_logprobs": null, "priority": 0, "length_penalty": 1})"),
+      limits, &r));
+  const SamplingParams& s = r.opts.sampling;
+  EXPECT_FLOAT_EQ(s.presence_penalty, -2.0f);
+  EXPECT_FLOAT_EQ(s.frequency_penalty, 1.5f);
+  EXPECT_FLOAT_EQ(s.repetition_penalty, 2.0f);
+  EXPECT_EQ(s.min_tokens, 8);
+  ASSERT_EQ(s.logit_bias.size(), 3u);
+  EXPECT_EQ(s.logit_bias[0], (std::pair<int32_t, float>{5, -100.0f}));
+  EXPECT_EQ(s.allowed_token_ids, (std::vector<int32_t>{1, 2, 999}));
+  EXPECT_EQ(r.opts.bad_words, (std::vector<std::string>{"hi", " there"}));
+  EXPECT_EQ(r.opts.truncate_prompt_tokens, -1);
+  EXPECT_EQ(r.opts.cache_salt, "tenant");
+  EXPECT_EQ(r.opts.request_id, "abc");
+  EXPECT_EQ(r.opts.add_special_tokens, false);
+  // Ids beyond the vocabulary, and more than 1024 biases, are refused.
+  for (const char* body : {R"({"prompt": "x", "logit_bias": {"1000": 1}})", R"({"prompt": "x", "allowed_token_ids": [1000]})"}) {
+    CompletionRequest bad;
+    auto e = parse_completion_request(parse(body), limits, &bad);
+    ASSERT_TRUE(e.has_value()) << body;
+    EXPECT_EQ(e->http_status, 400);
+  }
+  Json many = Json::object();
+  for (int i = 0; i < 1025; ++i) many[std::to_string(i)] = 1;
+  CompletionRequest bad;
+  auto e = parse_completion_request(Json{{"prompt", "x"}, {"logit_bias", many}}, ProtocolLimits{}, &bad);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->param, "logit_bias");
+  // A chat's min_tokens is checked against max_tokens once that is known (GenerationJob).
+  ChatCompletionRequest c;
+  EXPECT_FALSE(chat(R"({"messages": [{"role": "user", "content": "x"}], "min_tokens": 50})", &c));
+  EXPECT_EQ(c.opts.sampling.min_tokens, 50);
+}
+
+TEST(ServerProtocol, BadWordsAreTokenizedWithAndWithoutALeadingSpace) {
+  // A toy tokenizer: a leading space is its own token 100 unless the word is "hi" (then " hi"
+  // is the single word token 200); every other byte is its own id.
+  auto encode = [](const std::string& text) -> Result<std::vector<int32_t>> {
+    if (text == " hi") return std::vector<int32_t>{200};
+    std::vector<int32_t> ids;
+    for (unsigned char c : text) ids.push_back(c == ' ' ? 100 : c);
+    return ids;
+  };
+  std::vector<std::vector<int32_t>> out;
+  ASSERT_FALSE(tokenize_bad_words({"hi", "  ab"}, encode, 1000, &out));
+  // "hi" -> [h, i]; " hi" -> [200] has a different length: not added (vLLM's rule).
+  // "ab" (leading spaces stripped) -> [a, b]; " ab" -> [100, a, b]: longer, not added.
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0], (std::vector<int32_t>{'h', 'i'}));
+  EXPECT_EQ(out[1], (std::vector<int32_t>{'a', 'b'}));
+  auto word_tokens = [](const std::string& text) -> Result<std::vector<int32_t>> {
+    if (text == "hello") return std::vector<int32_t>{7};
+    if (text == " hello") return std::vector<int32_t>{8};
+    return std::vector<int32_t>{1, 2};
+  };
+  out.clear();
+  ASSERT_FALSE(tokenize_bad_words({"hello"}, word_tokens, 1000, &out));
+  ASSERT_EQ(out.size(), 2u) << "the spaced form is a different single word token: banned too";
+  EXPECT_EQ(out[1], (std::vector<int32_t>{8}));
+  out.clear();
+  auto e = tokenize_bad_words({"   "}, encode, 1000, &out);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->param, "bad_words");
+  e = tokenize_bad_words({"hello"}, word_tokens, 5, &out);
+  ASSERT_TRUE(e.has_value()) << "token 7 is outside a vocabulary of 5";
+}
+
 TEST(ServerProtocol, BatchedPrompts) {
   CompletionRequest r;
   ASSERT_FALSE(completion(R"({"prompt": ["a", "b"]})", &r));
@@ -101,8 +177,36 @@ TEST(ServerProtocol, WrongTypesNameTheField) {
       {R"({"prompt": "x", "model": 7})", "model"},
       {R"({"prompt": "x", "seed": "s"})", "seed"},
       {R"({"prompt": "x", "logprobs": 50})", "logprobs"},
-      {R"({"prompt": "x", "presence_penalty": 0.5})", "presence_penalty"},
-      {R"({"prompt": "x", "logit_bias": {"1": 5}})", "logit_bias"},
+      {R"({"prompt": "x", "presence_penalty": 2.5})", "presence_penalty"},
+      {R"({"prompt": "x", "frequency_penalty": -2.1})", "frequency_penalty"},
+      {R"({"prompt": "x", "repetition_penalty": 0})", "repetition_penalty"},
+      {R"({"prompt": "x", "repetition_penalty": 2.5})", "repetition_penalty"},
+      {R"({"prompt": "x", "min_tokens": -1})", "min_tokens"},
+      {R"({"prompt": "x", "max_tokens": 4, "min_tokens": 5})", "min_tokens"},
+      {R"({"prompt": "x", "logit_bias": {"1": 101}})", "logit_bias"},
+      {R"({"prompt": "x", "logit_bias": {"one": 1}})", "logit_bias"},
+      {R"({"prompt": "x", "logit_bias": {"-1": 1}})", "logit_bias"},
+      {R"({"prompt": "x", "logit_bias": {"1": "big"}})", "logit_bias"},
+      {R"({"prompt": "x", "logit_bias": [1, 2]})", "logit_bias"},
+      {R"({"prompt": "x", "allowed_token_ids": []})", "allowed_token_ids"},
+      {R"({"prompt": "x", "allowed_token_ids": [1, -1]})", "allowed_token_ids"},
+      {R"({"prompt": "x", "bad_words": "no"})", "bad_words"},
+      {R"({"prompt": "x", "bad_words": ["a", 1]})", "bad_words"},
+      {R"({"prompt": "x", "truncate_prompt_tokens": 0})", "truncate_prompt_tokens"},
+      {R"({"prompt": "x", "cache_salt": ""})", "cache_salt"},
+      {R"({"prompt": "x", "prompt_logprobs": 1})", "prompt_logprobs"},
+      {R"({"prompt": "x", "use_beam_search": true})", "use_beam_search"},
+      {R"({"prompt": "x", "guided_json": {"type": "object"}})", "guided_json"},
+      {R"({"prompt": "x", "guided_choice": ["a"]})", "guided_choice"},
+      {R"({"prompt": "x", "guided_regex": "a+"})", "guided_regex"},
+      {R"({"prompt": "x", "guided_grammar": "root ::= x"})", "guided_grammar"},
+      {R"({"prompt": "x", "structured_outputs": {"json": {}}})", "structured_outputs"},
+      {R"({"prompt": "x", "logits_processors": ["x"]})", "logits_processors"},
+      {R"({"prompt": "x", "priority": 1})", "priority"},
+      {R"({"prompt": "x", "length_penalty": 0.5})", "length_penalty"},
+      {R"({"prompt": "x", "return_tokens_as_token_ids": true})", "return_tokens_as_token_ids"},
+      {R"({"prompt": "x", "spaces_between_special_tokens": false})", "spaces_between_special_tokens"},
+      {R"({"prompt": ["a", "b", "c"], "n": 50})", "n"},
       {R"({"prompt": "x", "best_of": 3})", "best_of"},
       {R"({"prompt": "x", "suffix": "y"})", "suffix"},
   };

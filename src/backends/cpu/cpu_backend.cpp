@@ -102,31 +102,11 @@ KvLayer CpuBackend::alloc_kv_layer(int num_pages, int page_size, int kv_heads, i
 }
 
 LoraModuleTable CpuBackend::alloc_lora_table(int num_slots, int in, int out) {
-  LoraModuleTable t;
-  t.num_slots = num_slots;
-  t.in = in;
-  t.out = out;
-  t.a_ptrs = Tensor::empty_host(DType::kI64, {num_slots});
-  t.b_ptrs = Tensor::empty_host(DType::kI64, {num_slots});
-  t.ranks = Tensor::empty_host(DType::kI32, {num_slots});
-  t.host_rank.assign(num_slots, 0);
-  return t;
+  return make_lora_table(num_slots, in, out, [](DType dt, int64_t n) { return Tensor::empty_host(dt, {n}); });
 }
 
 MoeLoraTable CpuBackend::alloc_moe_lora_table(int num_slots, int num_experts, int hidden, int intermediate) {
-  MoeLoraTable t;
-  t.num_slots = num_slots;
-  t.num_experts = num_experts;
-  t.hidden = hidden;
-  t.intermediate = intermediate;
-  for (Tensor* p : {&t.gu_a, &t.gu_a_expert_stride, &t.gu_b, &t.gu_b_expert_stride, &t.d_a,
-                    &t.d_a_expert_stride, &t.d_b, &t.d_b_expert_stride})
-    *p = Tensor::empty_host(DType::kI64, {num_slots});
-  t.gu_rank = Tensor::empty_host(DType::kI32, {num_slots});
-  t.d_rank = Tensor::empty_host(DType::kI32, {num_slots});
-  t.host_gu_rank.assign(num_slots, 0);
-  t.host_d_rank.assign(num_slots, 0);
-  return t;
+  return make_moe_lora_table(num_slots, num_experts, hidden, intermediate, [](DType dt, int64_t n) { return Tensor::empty_host(dt, {n}); });
 }
 
 void CpuBackend::set_lora_slot(LoraModuleTable& t, int slot, const Tensor& a, const Tensor& b, int rank) {
@@ -163,7 +143,9 @@ const StepBatch& CpuBackend::begin_step(const StepBatch& batch) {
 
 Tensor CpuBackend::alloc_act(int64_t rows, int64_t cols) {
   Tensor t = alloc(rows, cols, act_dtype());
-  if (bf16_) act_ranges_.emplace_back(static_cast<const char*>(t.data()), static_cast<const char*>(t.data()) + t.nbytes());
+  if (bf16_)
+    act_ranges_.push_back({scratch_.size() - 1, static_cast<const char*>(t.data()),
+                           static_cast<const char*>(t.data()) + t.nbytes()});
   return t;
 }
 
@@ -171,7 +153,7 @@ void CpuBackend::round_act(const Tensor& t) const {
   if (!bf16_) return;
   const char* p = static_cast<const char*>(t.data());
   const bool act = std::any_of(act_ranges_.begin(), act_ranges_.end(),
-                               [p](const auto& r) { return p >= r.first && p < r.second; });
+                               [p](const ActRange& r) { return p >= r.begin && p < r.end; });
   if (!act) return;
   for (int64_t r = 0; r < t.rows(); ++r)
     for (int64_t c = 0; c < t.cols(); ++c) {
@@ -303,6 +285,11 @@ void CpuBackend::mla_split_kv(const Tensor& kv, const Tensor& k_pe, int heads, i
   }
   round_act(k);
   round_act(v);
+}
+
+std::vector<SampleOutput> CpuBackend::sample(const Tensor& logits, const std::vector<SampleRow>& rows) {
+  MOELORA_CHECK(logits.dtype() == DType::kF32 && logits.rows() == static_cast<int64_t>(rows.size()));
+  return cpu::sample(logits.ptr<float>(), logits.ld(), static_cast<int>(logits.cols()), rows);
 }
 
 Tensor CpuBackend::to_host_f32(const Tensor& t) {

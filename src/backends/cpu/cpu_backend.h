@@ -37,7 +37,12 @@ class CpuBackend final : public Backend {
   Tensor alloc(int64_t rows, int64_t cols, DType dtype) override;
   Tensor alloc_act(int64_t rows, int64_t cols) override;
   size_t scratch_mark() override { return scratch_.size(); }
-  void scratch_release(size_t mark) override { scratch_.resize(mark); }
+  // Released activations stop being activations: a later f32 buffer (router or final logits) may
+  // get the same address and must not be rounded to bf16.
+  void scratch_release(size_t mark) override {
+    scratch_.resize(mark);
+    while (!act_ranges_.empty() && act_ranges_.back().index >= mark) act_ranges_.pop_back();
+  }
   void embed(const Tensor& table, Tensor out) override;
   void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor out) override;
   void linear(const Tensor& x, const LinearWeight& w, const LoraModuleTable* lora, Tensor out) override;
@@ -56,12 +61,17 @@ class CpuBackend final : public Backend {
   void mla_split_kv(const Tensor& kv, const Tensor& k_pe, int heads, int nope, int v_dim, Tensor k,
                     Tensor v) override;
   Tensor to_host_f32(const Tensor& t) override;
+  std::vector<SampleOutput> sample(const Tensor& logits, const std::vector<SampleRow>& rows) override;
 
  private:
   // bf16 emulation: rounds `t` if it lies in an activation buffer.
   void round_act(const Tensor& t) const;
   bool bf16_ = false;
-  std::vector<std::pair<const char*, const char*>> act_ranges_;
+  struct ActRange {
+    size_t index;  // in scratch_
+    const char *begin, *end;
+  };
+  std::vector<ActRange> act_ranges_;
   StepBatch batch_;
   std::vector<Tensor> scratch_;
 };

@@ -8,9 +8,15 @@
 
 #include <cstdint>
 
+#include <vector>
+
+#include "ops/sampling.h"
 #include "ops/types.h"
 
 namespace moelora::cpu {
+
+// ---- Sampling: Backend::sample (backend.h) on rows of `ld`-strided f32 logits.
+std::vector<SampleOutput> sample(const float* logits, int64_t ld, int vocab, const std::vector<SampleRow>& rows);
 
 // ---- Numerics helpers
 // Row block of FP8 scale row `row` (see LinearWeight::split_rows).

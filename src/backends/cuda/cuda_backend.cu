@@ -38,8 +38,10 @@ CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(main_);
   cudaStreamSynchronize(side_);
   if (meta_ && meta_->pinned) cudaFreeHost(meta_->pinned);
+  if (meta_ && meta_->plan_pinned) cudaFreeHost(meta_->plan_pinned);
   if (arena_) cudaFree(arena_);
-  for (cudaEvent_t e : {ev_ids_, ev_gu_, ev_act_, ev_d_})
+  for (const Spill& sp : spills_) cudaFree(sp.ptr);
+  for (cudaEvent_t e : {ev_ids_, ev_gu_, ev_act_, ev_d_, timer_begin_, timer_end_})
     if (e) cudaEventDestroy(e);
   if (side_) cudaStreamDestroy(side_);
   if (main_) cudaStreamDestroy(main_);
@@ -180,66 +182,65 @@ KvLayer CudaBackend::alloc_kv_layer(int num_pages, int page_size, int kv_heads, 
 }
 
 LoraModuleTable CudaBackend::alloc_lora_table(int num_slots, int in, int out) {
-  LoraModuleTable t;
-  t.num_slots = num_slots;
-  t.in = in;
-  t.out = out;
-  t.a_ptrs = device_tensor(DType::kI64, {num_slots});
-  t.b_ptrs = device_tensor(DType::kI64, {num_slots});
-  t.ranks = device_tensor(DType::kI32, {num_slots});
-  t.host_rank.assign(num_slots, 0);
-  return t;
+  return make_lora_table(num_slots, in, out, [this](DType dt, int64_t n) { return device_tensor(dt, {n}); });
 }
 
 MoeLoraTable CudaBackend::alloc_moe_lora_table(int num_slots, int num_experts, int hidden, int intermediate) {
-  MoeLoraTable t;
-  t.num_slots = num_slots;
-  t.num_experts = num_experts;
-  t.hidden = hidden;
-  t.intermediate = intermediate;
-  for (Tensor* p : {&t.gu_a, &t.gu_a_expert_stride, &t.gu_b, &t.gu_b_expert_stride, &t.d_a, &t.d_a_expert_stride,
-                    &t.d_b, &t.d_b_expert_stride})
-    *p = device_tensor(DType::kI64, {num_slots});
-  t.gu_rank = device_tensor(DType::kI32, {num_slots});
-  t.d_rank = device_tensor(DType::kI32, {num_slots});
-  t.host_gu_rank.assign(num_slots, 0);
-  t.host_d_rank.assign(num_slots, 0);
-  return t;
+  return make_moe_lora_table(num_slots, num_experts, hidden, intermediate, [this](DType dt, int64_t n) { return device_tensor(dt, {n}); });
 }
 
 namespace {
 // Table writes happen between steps on the main stream's order (the engine thread owns both),
-// so a running step never sees a half-written slot.
-template <typename T>
-void put(const Tensor& table, int slot, T value, cudaStream_t s) {
-  MOELORA_CUDA_CHECK(cudaMemcpyAsync(static_cast<T*>(table.data()) + slot, &value, sizeof(T), cudaMemcpyHostToDevice, s));
-  MOELORA_CUDA_CHECK(cudaStreamSynchronize(s));
-}
+// so a running step never sees a half-written slot. A writer queues every entry of one slot
+// (values kept alive in the writer) and synchronises once.
+class TableWriter {
+ public:
+  explicit TableWriter(cudaStream_t s) : s_(s) {}
+  ~TableWriter() { MOELORA_CUDA_CHECK(cudaStreamSynchronize(s_)); }
+  void put_i64(const Tensor& table, int slot, int64_t v) { put(table, slot, &(i64_[n64_++] = v), 8); }
+  void put_i32(const Tensor& table, int slot, int32_t v) { put(table, slot, &(i32_[n32_++] = v), 4); }
+
+ private:
+  void put(const Tensor& table, int slot, const void* v, size_t bytes) {
+    MOELORA_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(table.data()) + slot * bytes, v, bytes,
+                                       cudaMemcpyHostToDevice, s_));
+  }
+  cudaStream_t s_;
+  int64_t i64_[8];
+  int32_t i32_[2];
+  int n64_ = 0, n32_ = 0;
+};
 int64_t addr(const Tensor& t, int rank) { return rank ? reinterpret_cast<int64_t>(t.data()) : 0; }
 }  // namespace
 
 void CudaBackend::set_lora_slot(LoraModuleTable& t, int slot, const Tensor& a, const Tensor& b, int rank) {
   MOELORA_CHECK(slot >= 0 && slot < t.num_slots);
   MOELORA_CHECK_MSG(rank <= cuda::kLoraMaxRank, "LoRA rank {} above the CUDA kernels' {}", rank, cuda::kLoraMaxRank);
-  put<int64_t>(t.a_ptrs, slot, addr(a, rank), main_);
-  put<int64_t>(t.b_ptrs, slot, addr(b, rank), main_);
-  put<int32_t>(t.ranks, slot, rank, main_);
+  {
+    TableWriter w(main_);
+    w.put_i64(t.a_ptrs, slot, addr(a, rank));
+    w.put_i64(t.b_ptrs, slot, addr(b, rank));
+    w.put_i32(t.ranks, slot, rank);
+  }
   t.host_rank[slot] = rank;
   raise_rank_ceiling(rank);
 }
 
 void CudaBackend::set_moe_lora_slot(MoeLoraTable& t, int slot, const MoeLoraSlot& s) {
   MOELORA_CHECK(slot >= 0 && slot < t.num_slots);
-  put<int64_t>(t.gu_a, slot, addr(s.gu_a, s.gu_rank), main_);
-  put<int64_t>(t.gu_b, slot, addr(s.gu_b, s.gu_rank), main_);
-  put<int64_t>(t.gu_a_expert_stride, slot, s.gu_a_stride, main_);
-  put<int64_t>(t.gu_b_expert_stride, slot, s.gu_b_stride, main_);
-  put<int64_t>(t.d_a, slot, addr(s.d_a, s.d_rank), main_);
-  put<int64_t>(t.d_b, slot, addr(s.d_b, s.d_rank), main_);
-  put<int64_t>(t.d_a_expert_stride, slot, s.d_a_stride, main_);
-  put<int64_t>(t.d_b_expert_stride, slot, s.d_b_stride, main_);
-  put<int32_t>(t.gu_rank, slot, s.gu_rank, main_);
-  put<int32_t>(t.d_rank, slot, s.d_rank, main_);
+  {
+    TableWriter w(main_);
+    w.put_i64(t.gu_a, slot, addr(s.gu_a, s.gu_rank));
+    w.put_i64(t.gu_b, slot, addr(s.gu_b, s.gu_rank));
+    w.put_i64(t.gu_a_expert_stride, slot, s.gu_a_stride);
+    w.put_i64(t.gu_b_expert_stride, slot, s.gu_b_stride);
+    w.put_i64(t.d_a, slot, addr(s.d_a, s.d_rank));
+    w.put_i64(t.d_b, slot, addr(s.d_b, s.d_rank));
+    w.put_i64(t.d_a_expert_stride, slot, s.d_a_stride);
+    w.put_i64(t.d_b_expert_stride, slot, s.d_b_stride);
+    w.put_i32(t.gu_rank, slot, s.gu_rank);
+    w.put_i32(t.d_rank, slot, s.d_rank);
+  }
   t.host_gu_rank[slot] = s.gu_rank;
   t.host_d_rank[slot] = s.d_rank;
   raise_rank_ceiling(std::max(s.gu_rank, s.d_rank));
@@ -247,12 +248,47 @@ void CudaBackend::set_moe_lora_slot(MoeLoraTable& t, int slot, const MoeLoraSlot
 
 void* CudaBackend::arena_alloc(size_t bytes) {
   const size_t aligned = (bytes + 255) / 256 * 256;
-  MOELORA_CHECK_MSG(arena_used_ + aligned <= arena_bytes_,
-                    "step scratch needs more than the {} byte arena (raise CudaBackendOptions::arena_bytes)",
-                    arena_bytes_);
-  void* p = static_cast<char*>(arena_) + arena_used_;
+  void* p = nullptr;
+  if (arena_used_ + aligned <= arena_bytes_) {
+    p = static_cast<char*>(arena_) + arena_used_;
+  } else {
+    // A step larger than any the arena was sized for (the engine sizes it with a warm-up of its
+    // largest step; benchmarks and tests may go beyond): an eager step takes the rest from its
+    // own allocations, freed at the next begin_step, which also grows the arena to the peak. A
+    // capture cannot allocate, but it never comes first: the same shape ran eagerly before.
+    MOELORA_CHECK_MSG(mode_ != StepMode::kCapture,
+                      "a captured step needs more scratch than the {} byte arena holds", arena_bytes_);
+    // Layers repeat the same allocations at the same (logical) offsets after scratch_release:
+    // reuse this step's spill made at that offset, so a step holds about its peak, not one spill
+    // per layer. Two live allocations never share an offset, so a reused spill is free.
+    for (const Spill& sp : spills_)
+      if (sp.offset == arena_used_ && sp.bytes >= aligned) p = sp.ptr;
+    if (!p) {
+      MOELORA_CUDA_CHECK(cudaMalloc(&p, aligned));
+      spills_.push_back({arena_used_, aligned, p});
+    }
+  }
   arena_used_ += aligned;
+  arena_peak_ = std::max(arena_peak_, arena_used_);
   return p;
+}
+
+void CudaBackend::fit_scratch(size_t bytes) {
+  MOELORA_CUDA_CHECK(cudaStreamSynchronize(main_));
+  MOELORA_CUDA_CHECK(cudaStreamSynchronize(side_));
+  for (const Spill& sp : spills_) MOELORA_CUDA_CHECK(cudaFree(sp.ptr));
+  spills_.clear();
+  arena_peak_ = 0;
+  if (bytes == arena_bytes_) return;
+  if (graphs_) graphs_->clear();  // their kernels read addresses in the old arena
+  MOELORA_CUDA_CHECK(cudaFree(arena_));
+  arena_ = nullptr;
+  arena_bytes_ = bytes;
+  MOELORA_CUDA_CHECK(cudaMalloc(&arena_, arena_bytes_));
+}
+
+bool CudaBackend::device_memory(size_t* free, size_t* total) {
+  return cudaMemGetInfo(free, total) == cudaSuccess;
 }
 
 Tensor CudaBackend::alloc(int64_t rows, int64_t cols, DType dtype) {
@@ -284,14 +320,14 @@ Tensor CudaBackend::to_host_f32(const Tensor& t) {
   if (t.dtype() == DType::kF32) {
     MOELORA_CUDA_CHECK(cudaMemcpy2DAsync(out.data(), t.cols() * 4, t.data(), t.ld() * 4, t.cols() * 4, t.rows(),
                                          cudaMemcpyDeviceToHost, main_));
-    MOELORA_CUDA_CHECK(cudaStreamSynchronize(main_));
+    sync_main();
     return out;
   }
   MOELORA_CHECK(t.dtype() == DType::kBF16);
   std::vector<uint16_t> tmp(static_cast<size_t>(t.rows() * t.cols()));
   MOELORA_CUDA_CHECK(cudaMemcpy2DAsync(tmp.data(), t.cols() * 2, t.data(), t.ld() * 2, t.cols() * 2, t.rows(),
                                        cudaMemcpyDeviceToHost, main_));
-  MOELORA_CUDA_CHECK(cudaStreamSynchronize(main_));
+  sync_main();
   for (size_t i = 0; i < tmp.size(); ++i) out.ptr<float>()[i] = bf16_to_f32(tmp[i]);
   return out;
 }

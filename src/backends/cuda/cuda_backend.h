@@ -30,7 +30,9 @@ namespace moelora {
 struct CudaBackendOptions {
   bool overlap = true;            // MoE LoRA on a side stream
   bool graphs = true;             // replay captured decode graphs (see CudaGraphCache)
-  size_t arena_bytes = 4ull << 30;  // one layer's scratch of the largest step, plus plans
+  // First size of the step arena: the engine refits it to its largest step after a warm-up, and
+  // a larger eager step grows it (CudaBackend::arena_alloc).
+  size_t arena_bytes = 1ull << 30;
   int max_step_tokens = 4096;     // sizes the step metadata buffers; larger steps grow them
   int max_step_seqs = 512;
 };
@@ -83,12 +85,27 @@ class CudaBackend final : public Backend {
   void mla_split_kv(const Tensor& kv, const Tensor& k_pe, int heads, int nope, int v_dim, Tensor k,
                     Tensor v) override;
   Tensor to_host_f32(const Tensor& t) override;
+  std::vector<SampleOutput> sample(const Tensor& logits, const std::vector<SampleRow>& rows) override;
+  void reserve_sampling(int rows, int vocab) override;
+  size_t scratch_peak_bytes() const override { return arena_peak_; }
+  void fit_scratch(size_t bytes) override;
+  bool device_memory(size_t* free, size_t* total) override;
+  std::string device_description() const override;
+  void synchronize() override { sync_main(); }
+  void device_timer_begin() override;
+  double device_timer_end_us() override;
+  double take_device_wait_seconds() override {
+    const double w = wait_s_;
+    wait_s_ = 0;
+    return w;
+  }
 
   cudaStream_t stream() const { return main_; }
 
  private:
   struct StepMeta;  // device copies of the step's token/page arrays
   struct Graphs;    // captured decode graphs (cuda_graphs.cu)
+  struct Sampler;   // sampling buffers (cuda_sampler.cu)
   // Where a captured graph reads a LoRA grouping plan that depends on the batch.
   struct LoraRecipe {
     const LoraModuleTable* table;
@@ -115,6 +132,12 @@ class CudaBackend final : public Backend {
   // Arena.
   void* arena_ = nullptr;
   size_t arena_bytes_ = 0, arena_used_ = 0;
+  size_t arena_peak_ = 0;        // largest arena_used_ since the last fit_scratch
+  struct Spill {
+    size_t offset, bytes;  // logical arena offset it stands for
+    void* ptr;
+  };
+  std::vector<Spill> spills_;    // this step's scratch beyond the arena (eager steps only)
   // Step.
   StepBatch batch_;
   std::unique_ptr<StepMeta> meta_;
@@ -126,6 +149,10 @@ class CudaBackend final : public Backend {
   // CUDA graphs for decode steps.
   StepMode mode_ = StepMode::kEager;
   std::unique_ptr<Graphs> graphs_;
+  std::unique_ptr<Sampler> sampler_;
+  cudaEvent_t timer_begin_ = nullptr, timer_end_ = nullptr;
+  double wait_s_ = 0;  // time blocked in sync_main() since take_device_wait_seconds()
+  void sync_main();    // waits for the main stream, adding the wait to wait_s_
   int pad_page_ = -1, page_size_ = 0;
   bool lora_active_ = false;     // a token of this (graph) step uses an adapter
   int lora_rank_ceiling_ = 0;    // power of two >= every rank ever placed in a slot

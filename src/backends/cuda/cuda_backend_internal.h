@@ -3,10 +3,12 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <map>
 #include <string>
 
 #include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/cuda_check.h"
 #include "backends/cuda/kernels/lora_dense.cuh"
 #include "backends/cuda/kernels/moe_forward.cuh"
 
@@ -36,7 +38,52 @@ struct CudaBackend::StepMeta {
   // come from a region reserved at begin_step below every layer's mark.
   char* plan_region = nullptr;
   size_t plan_bytes = 0, plan_used = 0;
+  // Pinned staging of the plans a replayed graph reads (CudaBackend::replan_lora).
+  char* plan_pinned = nullptr;
+  size_t plan_pinned_bytes = 0;
   void* plan_alloc(size_t bytes);
+};
+
+// A device buffer and its pinned host twin, grown to the largest size asked for.
+struct StagedBuffer {
+  void* dev = nullptr;
+  void* host = nullptr;
+  size_t bytes = 0;
+  void reserve(size_t n) {
+    if (n <= bytes) return;
+    release();
+    bytes = std::max(n, bytes * 2);
+    MOELORA_CUDA_CHECK(cudaMalloc(&dev, bytes));
+    MOELORA_CUDA_CHECK(cudaMallocHost(&host, bytes));
+  }
+  void release() {
+    if (dev) cudaFree(dev);
+    if (host) cudaFreeHost(host);
+    dev = host = nullptr;
+    bytes = 0;
+  }
+  StagedBuffer() = default;
+  StagedBuffer(const StagedBuffer&) = delete;
+  StagedBuffer& operator=(const StagedBuffer&) = delete;
+  ~StagedBuffer() { release(); }
+};
+
+// Sampling buffers (cuda_sampler.cu).
+struct CudaBackend::Sampler {
+  StagedBuffer in, out;
+  float* processed = nullptr;
+  size_t processed_bytes = 0;
+  ~Sampler() {
+    if (processed) cudaFree(processed);
+  }
+  float* processed_rows(size_t bytes) {
+    if (bytes > processed_bytes) {
+      if (processed) MOELORA_CUDA_CHECK(cudaFree(processed));
+      processed_bytes = std::max(bytes, processed_bytes * 2);
+      MOELORA_CUDA_CHECK(cudaMalloc(&processed, processed_bytes));
+    }
+    return processed;
+  }
 };
 
 // Captured decode graphs by key (bucket, any adapter, LoRA rank ceiling); cuda_graphs.cu.

@@ -22,13 +22,13 @@ export const defaultServeArgs = [
   '--allow-runtime-lora', '--lora-root', repoRoot, '--log-level', 'warn',
 ];
 
-export async function startServer(extraArgs = []) {
+export async function startServer(extraArgs = [], { env = {}, waitReady = true } = {}) {
   const bin = moeloraBinary();
-  const args = ['serve', ...defaultServeArgs, ...extraArgs];
-  // --log-level belongs to the main command, before the subcommand.
-  const li = args.indexOf('--log-level');
-  const level = args.splice(li, 2)[1];
-  const proc = spawn(bin, ['--log-level', level, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+  // Global options (--log-level) are accepted after the subcommand too.
+  const defaults = [...defaultServeArgs];
+  if (extraArgs.includes('--log-level')) defaults.splice(defaults.indexOf('--log-level'), 2);
+  const args = ['serve', ...defaults, ...extraArgs];
+  const proc = spawn(bin, args, { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, ...env } });
   let stdout = '';
   let stderr = '';
   proc.stderr.on('data', (d) => { stderr += d; });
@@ -41,6 +41,16 @@ export async function startServer(extraArgs = []) {
     });
     proc.on('exit', (code) => { clearTimeout(timer); reject(new Error(`server exited (${code})\n${stdout}\n${stderr}`)); });
   });
+  // The port is bound before the model loads: /health answers 503 until the server is ready.
+  if (waitReady) {
+    const deadline = Date.now() + 60000;
+    for (;;) {
+      const h = await get(url, '/health').catch(() => ({ status: 0 }));
+      if (h.status === 200) break;
+      if (Date.now() > deadline) throw new Error(`server not ready in 60 s\n${stdout}\n${stderr}`);
+      await sleep(20);
+    }
+  }
   const server = {
     url,
     proc,
@@ -87,7 +97,7 @@ export function request(url, method, pathname, body, headers = {}) {
 }
 
 export const post = (url, p, body, headers) => request(url, 'POST', p, body, headers);
-export const get = (url, p) => request(url, 'GET', p);
+export const get = (url, p, headers) => request(url, 'GET', p, undefined, headers);
 
 // Parses an SSE body into its data payloads (JSON objects, or the string '[DONE]').
 export function parseSse(text) {

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Here (no GPU): puts the CUDA build and the Debian shared libraries it links into the git-ignored
+# .device/, which the device tool carries to the H200 (docs/gpu.md). Build first with
+# ./scripts/build.sh on a machine with nvcc (MOELORA_CUDA=AUTO builds the CUDA backend there).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${MOELORA_BUILD_DIR:-$root/build}
+mkdir -p "$root/.device/lib"
+for lib in libfmt.so.9 libspdlog.so.1.10 libpcre2-8.so.0 libssl.so.3 libcrypto.so.3 libz.so.1; do
+  [ -e "/lib/x86_64-linux-gnu/$lib" ] && cp -L "/lib/x86_64-linux-gnu/$lib" "$root/.device/lib/"
+done
+strip --strip-debug "$build/tools/moelora" -o "$root/.device/moelora"
+strip --strip-debug "$build/tests/ops/moelora_op_suite" -o "$root/.device/moelora_op_suite"
+ls -la "$root/.device" "$root/.device/lib" | awk '{print $5, $9}'

@@ -1,0 +1,156 @@
+#include "model/forward_pass.h"
+
+namespace moelora {
+
+namespace {
+
+// One step's pass over the layers. Head counts are the rank's (par); every other shape is the
+// model's or is read off the weights this rank holds, so no branch here knows about ranks.
+class Body {
+ public:
+  Body(const ForwardModel& m, const LoraTables* lora)
+      : c_(m.cfg), w_(m.weights), rope_(m.rope), b_(m.backend), par_(m.par), lora_(lora) {}
+
+  Tensor run(const StepBatch& step, std::vector<KvLayer>& kv) {
+    const int T = step.num_tokens();
+    Tensor h = b_.alloc_act(T, c_.hidden_size);
+    par_.embed(b_, step, w_.embed, h);
+    Tensor x = b_.alloc_act(T, c_.hidden_size);
+    const float eps = static_cast<float>(c_.rms_norm_eps);
+    for (int l = 0; l < c_.num_layers; ++l) {
+      const LayerWeights& lw = w_.layers[l];
+      layer_lora_ = lora_ ? &(*lora_)[l] : nullptr;
+      const size_t mark = b_.scratch_mark();  // this layer's scratch is given back at its end
+      b_.rmsnorm(h, lw.input_norm, eps, x);
+      Tensor a = c_.is_mla() ? attention_mla(lw.attn, x, kv[l]) : attention_gqa(lw.attn, x, kv[l]);
+      b_.add(a, h);
+      b_.rmsnorm(h, lw.post_attention_norm, eps, x);
+      Tensor m = lw.is_moe ? moe(lw, x) : dense_mlp(lw.mlp, x);
+      b_.add(m, h);
+      b_.scratch_release(mark);
+    }
+    const int R = static_cast<int>(step.logit_rows.size());
+    Tensor rows = b_.alloc_act(R, c_.hidden_size);
+    b_.gather_logit_rows(h, rows);
+    b_.rmsnorm(rows, w_.final_norm, eps, rows);
+    Tensor logits = b_.alloc(R, c_.vocab_size, DType::kF32);
+    par_.logits(b_, rows, w_.lm_head, logits);
+    return logits;
+  }
+
+ private:
+  const LoraModuleTable* tab(LoraTarget t) const { return layer_lora_ ? layer_lora_->get(t) : nullptr; }
+
+  // q/k/v are column-parallel by heads (the rank's heads), o_proj row-parallel.
+  Tensor attention_gqa(const AttentionWeights& w, const Tensor& x, KvLayer& kv) {
+    const int T = static_cast<int>(x.rows()), d = c_.head_dim;
+    const int heads = par_.num_heads(), kv_heads = par_.num_kv_heads();
+    Tensor q = b_.alloc_act(T, heads * d);
+    Tensor k = b_.alloc_act(T, kv_heads * d);
+    Tensor v = b_.alloc_act(T, kv_heads * d);
+    b_.linear(x, w.q, tab(LoraTarget::kQ), q);
+    b_.linear(x, w.k, tab(LoraTarget::kK), k);
+    b_.linear(x, w.v, tab(LoraTarget::kV), v);
+    if (w.q_norm.defined()) {
+      const float eps = static_cast<float>(c_.rms_norm_eps);
+      b_.rmsnorm(q, w.q_norm, eps, q);
+      b_.rmsnorm(k, w.k_norm, eps, k);
+    }
+    b_.rope(q, heads, d, 0, rope_);
+    b_.rope(k, kv_heads, d, 0, rope_);
+    Tensor attn = b_.alloc_act(T, heads * d);
+    b_.attention(q, k, v, kv, heads, static_cast<float>(c_.attention_scale()), attn);
+    Tensor out = b_.alloc_act(T, c_.hidden_size);
+    par_.row_linear(b_, attn, w.o, tab(LoraTarget::kO), out);
+    return out;
+  }
+
+  // MLA: q_a / kv_a and their norms are whole on every rank (shared by all heads); q_b (or q) and
+  // kv_b hold the rank's heads; o_proj is row-parallel.
+  Tensor attention_mla(const AttentionWeights& w, const Tensor& x, KvLayer& kv) {
+    const int T = static_cast<int>(x.rows()), heads = par_.num_heads();
+    const int nope = c_.qk_nope_head_dim, rope = c_.qk_rope_head_dim, qk = nope + rope;
+    const float eps = static_cast<float>(c_.rms_norm_eps);
+    Tensor q = b_.alloc_act(T, heads * qk);
+    if (c_.q_lora_rank > 0) {
+      Tensor qa = b_.alloc_act(T, c_.q_lora_rank);
+      b_.linear(x, w.q_a, tab(LoraTarget::kQA), qa);
+      b_.rmsnorm(qa, w.q_a_norm, eps, qa);
+      b_.linear(qa, w.q_b, tab(LoraTarget::kQB), q);
+    } else {
+      b_.linear(x, w.q, tab(LoraTarget::kQ), q);
+    }
+    Tensor ckv = b_.alloc_act(T, c_.kv_lora_rank + rope);
+    b_.linear(x, w.kv_a, tab(LoraTarget::kKVA), ckv);
+    Tensor latent = b_.alloc_act(T, c_.kv_lora_rank);
+    b_.rmsnorm(ckv.slice_cols(0, c_.kv_lora_rank), w.kv_a_norm, eps, latent);
+    Tensor k_pe = ckv.slice_cols(c_.kv_lora_rank, rope);
+    b_.rope(k_pe, 1, rope, 0, rope_);
+    b_.rope(q, heads, qk, nope, rope_);
+    Tensor kvb = b_.alloc_act(T, heads * (nope + c_.v_head_dim));
+    b_.linear(latent, w.kv_b, tab(LoraTarget::kKVB), kvb);
+    Tensor k = b_.alloc_act(T, heads * qk);
+    Tensor v = b_.alloc_act(T, heads * c_.v_head_dim);
+    b_.mla_split_kv(kvb, k_pe, heads, nope, c_.v_head_dim, k, v);
+    Tensor attn = b_.alloc_act(T, heads * c_.v_head_dim);
+    b_.attention(q, k, v, kv, heads, static_cast<float>(c_.attention_scale()), attn);
+    Tensor out = b_.alloc_act(T, c_.hidden_size);
+    par_.row_linear(b_, attn, w.o, tab(LoraTarget::kO), out);
+    return out;
+  }
+
+  // silu(x gate^T) * (x up^T): gate and up are column-parallel, so this needs no collective.
+  Tensor gated(const MlpWeights& w, const Tensor& x, LoraTarget gate, LoraTarget up) {
+    const int T = static_cast<int>(x.rows()), inter = w.gate.out;
+    Tensor g = b_.alloc_act(T, inter), u = b_.alloc_act(T, inter);
+    b_.linear(x, w.gate, tab(gate), g);
+    b_.linear(x, w.up, tab(up), u);
+    b_.silu_mul(g, u, g);
+    return g;
+  }
+
+  Tensor dense_mlp(const MlpWeights& w, const Tensor& x) {
+    Tensor g = gated(w, x, LoraTarget::kGate, LoraTarget::kUp);
+    Tensor out = b_.alloc_act(static_cast<int>(x.rows()), c_.hidden_size);
+    par_.row_linear(b_, g, w.down, tab(LoraTarget::kDown), out);
+    return out;
+  }
+
+  Tensor moe(const LayerWeights& lw, const Tensor& x) {
+    const int T = static_cast<int>(x.rows()), E = c_.num_experts, k = c_.top_k;
+    Tensor logits = b_.alloc(T, E, DType::kF32);
+    b_.router_logits(x, lw.router, logits);
+    Tensor ids = b_.alloc(T, k, DType::kI32);
+    Tensor weights = b_.alloc(T, k, DType::kF32);
+    if (c_.router == RouterKind::kSigmoidGroupTopK) {
+      b_.topk_sigmoid_grouped(logits, lw.router_bias, k, c_.n_group, c_.topk_group, c_.norm_topk_prob,
+                              static_cast<float>(c_.routed_scaling_factor), ids, weights);
+    } else {
+      b_.topk_softmax(logits, k, c_.norm_topk_prob, ids, weights);
+    }
+    const MoeBlockInputs in{x,
+                            ids,
+                            weights,
+                            lw.experts,
+                            layer_lora_ ? layer_lora_->experts : nullptr,
+                            lw.has_shared ? &lw.shared.down : nullptr,
+                            tab(LoraTarget::kSharedDown)};
+    return par_.moe_sum(b_, in, [&] { return gated(lw.shared, x, LoraTarget::kSharedGate, LoraTarget::kSharedUp); });
+  }
+
+  const ModelConfig& c_;
+  const ModelWeights& w_;
+  const RopeTable& rope_;
+  Backend& b_;
+  ParallelContext& par_;
+  const LoraTables* lora_;
+  const LayerLoraTables* layer_lora_ = nullptr;
+};
+
+}  // namespace
+
+Tensor forward_body(const ForwardModel& m, const StepBatch& step, std::vector<KvLayer>& kv, const LoraTables* lora) {
+  return Body(m, lora).run(step, kv);
+}
+
+}  // namespace moelora

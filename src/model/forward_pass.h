@@ -1,0 +1,29 @@
+// The forward pass of one step, written once: every architecture (GQA or MLA attention, dense or
+// MoE MLP, shared experts) and every parallel layout. What a rank of a tensor/expert-parallel
+// split does differently is behind ParallelContext (parallel_context.h); with SingleDeviceContext
+// this is the single-device model (Model::forward_logits).
+#pragma once
+
+#include <vector>
+
+#include "model/model_config.h"
+#include "model/model_weights.h"
+#include "model/parallel_context.h"
+#include "ops/backend.h"
+
+namespace moelora {
+
+struct ForwardModel {
+  const ModelConfig& cfg;       // the whole model's config (shapes that are cut come from `par`)
+  const ModelWeights& weights;  // what this device or rank holds
+  const RopeTable& rope;
+  Backend& backend;
+  ParallelContext& par;
+};
+
+// Runs `step` (as returned by the backend's begin_step) and returns the float32 logits of
+// step.logit_rows, [rows, vocab], on the backend. kv: one layer per decoder layer, this rank's
+// heads. `lora` may be null (no adapters).
+Tensor forward_body(const ForwardModel& m, const StepBatch& step, std::vector<KvLayer>& kv, const LoraTables* lora);
+
+}  // namespace moelora

@@ -1,0 +1,113 @@
+// The logit processors through the engine (CPU backend, the bundled tiny model): each control
+// changes the generated tokens the way its definition says, and penalised requests still do not
+// depend on what shares their batch.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "engine_test_util.h"
+
+namespace moelora::testing {
+namespace {
+
+EngineOptions options() {
+  EngineOptions o;
+  o.max_num_seqs = 16;
+  o.max_batch_tokens = 256;
+  o.max_loras_per_batch = 2;
+  o.max_loaded_loras = 4;
+  o.max_model_len = 256;
+  return o;
+}
+
+TEST(EngineSampling, LogitBiasForcesAToken) {
+  auto engine = make_engine(options());
+  SamplingParams s = greedy(6);
+  s.ignore_eos = true;
+  const Outcome plain = run_alone(*engine, test_prompt(12, 1), "", s);
+  const int32_t forced = (plain.tokens[0] + 7) % 200 + 1;
+  s.logit_bias = {{forced, 100.0f}};
+  const Outcome biased = run_alone(*engine, test_prompt(12, 1), "", s);
+  for (int32_t t : biased.tokens) EXPECT_EQ(t, forced);
+}
+
+TEST(EngineSampling, AllowedTokenIdsRestrictEverySampledToken) {
+  auto engine = make_engine(options());
+  SamplingParams s;
+  s.temperature = 1.0f, s.seed = 3, s.max_tokens = 12, s.ignore_eos = true;
+  s.allowed_token_ids = {5, 17, 42};
+  const Outcome o = run_alone(*engine, test_prompt(10, 2), "", s);
+  ASSERT_EQ(o.tokens.size(), 12u);
+  for (int32_t t : o.tokens) EXPECT_TRUE(t == 5 || t == 17 || t == 42) << t;
+}
+
+TEST(EngineSampling, BadWordsAreNeverCompleted) {
+  auto engine = make_engine(options());
+  SamplingParams s = greedy(8);
+  s.ignore_eos = true;
+  const Outcome plain = run_alone(*engine, test_prompt(12, 4), "", s);
+  s.bad_words = {{plain.tokens[0]}, {plain.tokens[1], plain.tokens[2]}};
+  const Outcome o = run_alone(*engine, test_prompt(12, 4), "", s);
+  for (size_t i = 0; i < o.tokens.size(); ++i) {
+    EXPECT_NE(o.tokens[i], plain.tokens[0]);
+    if (i > 0 && o.tokens[i - 1] == plain.tokens[1]) EXPECT_NE(o.tokens[i], plain.tokens[2]);
+  }
+}
+
+TEST(EngineSampling, FrequencyPenaltyBreaksRepetition) {
+  auto engine = make_engine(options());
+  SamplingParams s = greedy(24);
+  s.ignore_eos = true;
+  auto distinct = [](std::vector<int32_t> v) {
+    std::sort(v.begin(), v.end());
+    return std::unique(v.begin(), v.end()) - v.begin();
+  };
+  const Outcome plain = run_alone(*engine, test_prompt(8, 5), "", s);
+  s.frequency_penalty = 2.0f;
+  s.presence_penalty = 2.0f;
+  const Outcome penalised = run_alone(*engine, test_prompt(8, 5), "", s);
+  EXPECT_GT(distinct(penalised.tokens), distinct(plain.tokens));
+}
+
+TEST(EngineSampling, MinTokensHoldsBackStopTokens) {
+  auto engine = make_engine(options());
+  SamplingParams s = greedy(10);
+  const Outcome plain = run_alone(*engine, test_prompt(12, 6), "", s);
+  ASSERT_FALSE(plain.tokens.empty());
+  s.stop_token_ids = {plain.tokens[0]};  // would stop at once
+  s.min_tokens = 5;
+  const Outcome o = run_alone(*engine, test_prompt(12, 6), "", s);
+  EXPECT_GE(o.tokens.size(), 5u);
+  for (size_t i = 0; i < 4 && i < o.tokens.size(); ++i) EXPECT_NE(o.tokens[i], plain.tokens[0]);
+}
+
+TEST(EngineSampling, PenalisedSeededRequestIsIndependentOfTheBatch) {
+  auto engine = make_engine(options());
+  SamplingParams s;
+  s.temperature = 0.8f, s.top_k = 40, s.top_p = 0.9f, s.seed = 99, s.max_tokens = 14, s.ignore_eos = true;
+  s.repetition_penalty = 1.3f, s.frequency_penalty = 0.4f, s.logit_bias = {{3, 2.0f}};
+  const Outcome alone = run_alone(*engine, test_prompt(16, 7), "", s);
+  Collector c(*engine);
+  SamplingParams other = s;
+  other.seed.reset();
+  other.repetition_penalty = 1.0f;
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(c.submit(fmt::format("n{}", i), test_prompt(11, 50 + i), "", other).ok());
+  ASSERT_TRUE(c.submit("mine", test_prompt(16, 7), "", s).ok());
+  c.wait();
+  EXPECT_EQ(c.get("mine").tokens, alone.tokens);
+}
+
+TEST(EngineSampling, OutOfRangeControlsAreRefused) {
+  auto engine = make_engine(options());
+  SamplingParams s = greedy(4);
+  s.logit_bias = {{1 << 30, 1.0f}};
+  Collector c(*engine);
+  const Status st = c.submit("bad", test_prompt(5, 1), "", s);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("logit_bias"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace moelora::testing

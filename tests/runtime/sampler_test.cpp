@@ -1,0 +1,228 @@
+// The sampling spec on the CPU (cpu::sample, the reference of Backend::sample) and the host half
+// that builds its rows (runtime/sampler.h): distributions against independently computed
+// probabilities, batch independence, every logit processor's math, and validation.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "backends/cpu/cpu_ops.h"
+#include "runtime/sampler.h"
+
+namespace moelora {
+namespace {
+
+SampleRow row_of(float t, int k = 0, float p = 1.0f, float min_p = 0.0f) {
+  SampleRow r;
+  r.temperature = t, r.top_k = k, r.top_p = p, r.min_p = min_p;
+  return r;
+}
+
+// Draws `n` tokens from one row of logits at steps 0..n-1 and counts them.
+std::vector<int> histogram(const std::vector<float>& logits, SampleRow r, int n) {
+  const int V = static_cast<int>(logits.size());
+  std::vector<float> many(static_cast<size_t>(n) * V);
+  std::vector<SampleRow> rows(n, r);
+  for (int s = 0; s < n; ++s) {
+    std::copy(logits.begin(), logits.end(), many.begin() + static_cast<size_t>(s) * V);
+    rows[s].seed = 99;
+    rows[s].step = s;
+  }
+  std::vector<int> count(V, 0);
+  for (const SampleOutput& o : cpu::sample(many.data(), V, V, rows)) ++count[o.token];
+  return count;
+}
+
+// Each count within 4.5 standard deviations of n * prob (a false alarm is ~1e-5 per token).
+void expect_follows(const std::vector<int>& count, const std::vector<double>& prob, int n) {
+  for (size_t i = 0; i < prob.size(); ++i) {
+    const double sd = std::sqrt(n * prob[i] * (1 - prob[i]));
+    if (prob[i] == 0) EXPECT_EQ(count[i], 0) << "token " << i;
+    else EXPECT_NEAR(count[i], n * prob[i], 4.5 * sd + 1e-9) << "token " << i;
+  }
+}
+
+const std::vector<float> kLogits = {1.0f, 0.5f, -0.3f, 2.0f, 0.0f, 1.5f, -1.0f, 0.7f};
+
+std::vector<double> softmax(const std::vector<float>& x, float t, const std::vector<bool>& keep) {
+  std::vector<double> p(x.size(), 0.0);
+  double z = 0;
+  for (size_t i = 0; i < x.size(); ++i)
+    if (keep[i]) z += p[i] = std::exp(x[i] / static_cast<double>(t));
+  for (double& q : p) q /= z;
+  return p;
+}
+
+TEST(SamplerSpec, TemperatureFollowsSoftmax) {
+  const int n = 20000;
+  expect_follows(histogram(kLogits, row_of(0.8f), n), softmax(kLogits, 0.8f, std::vector<bool>(8, true)), n);
+}
+
+TEST(SamplerSpec, TopKKeepsTheKBest) {
+  const int n = 20000;
+  // The 3 best: ids 3 (2.0), 5 (1.5), 0 (1.0).
+  std::vector<bool> keep(8, false);
+  keep[3] = keep[5] = keep[0] = true;
+  expect_follows(histogram(kLogits, row_of(1.0f, 3), n), softmax(kLogits, 1.0f, keep), n);
+}
+
+TEST(SamplerSpec, TopPKeepsTheShortestPrefixReachingP) {
+  const int n = 20000;
+  const std::vector<double> full = softmax(kLogits, 1.0f, std::vector<bool>(8, true));
+  // Sorted: 3, 5, 0, 7, 1, 4, 2, 6. Find the prefix independently.
+  const int order[8] = {3, 5, 0, 7, 1, 4, 2, 6};
+  std::vector<bool> keep(8, false);
+  double cum = 0;
+  for (int i : order) {
+    keep[i] = true;
+    cum += full[i];
+    if (cum >= 0.75) break;
+  }
+  expect_follows(histogram(kLogits, row_of(1.0f, 0, 0.75f), n), softmax(kLogits, 1.0f, keep), n);
+}
+
+TEST(SamplerSpec, MinPDropsTokensBelowTheFractionOfTheBest) {
+  const int n = 20000;
+  std::vector<bool> keep(8);
+  for (int i = 0; i < 8; ++i) keep[i] = std::exp(kLogits[i] - 2.0) >= 0.3;
+  expect_follows(histogram(kLogits, row_of(1.0f, 0, 1.0f, 0.3f), n), softmax(kLogits, 1.0f, keep), n);
+}
+
+TEST(SamplerSpec, GreedyIsTheArgmaxWithLowestIdOnTies) {
+  std::vector<float> x = {0.5f, 3.0f, -1.0f, 3.0f};
+  const auto out = cpu::sample(x.data(), 4, 4, {row_of(0.0f)});
+  EXPECT_EQ(out[0].token, 1);
+  double z = 0;
+  for (float v : x) z += std::exp(static_cast<double>(v));
+  EXPECT_NEAR(out[0].logprob, 3.0 - std::log(z), 1e-6);
+}
+
+TEST(SamplerSpec, TopLogprobsAreTheRawDistributionsBest) {
+  std::vector<float> x = {0.5f, 3.0f, -1.0f, 3.0f, 2.0f};
+  SampleRow r = row_of(0.0f);
+  r.logprobs = 3;
+  r.restrict_to_allowed = true;  // processing changes the choice, never the reported distribution
+  LogitEdit e;
+  e.token = 2, e.allowed = 1;
+  r.edits = {e};
+  const auto out = cpu::sample(x.data(), 5, 5, {r});
+  EXPECT_EQ(out[0].token, 2);
+  ASSERT_EQ(out[0].top_logprobs.size(), 3u);
+  EXPECT_EQ(out[0].top_logprobs[0].first, 1);
+  EXPECT_EQ(out[0].top_logprobs[1].first, 3);
+  EXPECT_EQ(out[0].top_logprobs[2].first, 4);
+}
+
+TEST(SamplerSpec, TokenDependsOnlyOnItsRowSeedAndStep) {
+  std::mt19937 g(3);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  const int V = 500;
+  std::vector<float> mine(V);
+  for (float& v : mine) v = nd(g);
+  SampleRow r = row_of(1.0f, 0, 0.9f);
+  r.seed = 77, r.step = 12;
+  const int alone = cpu::sample(mine.data(), V, V, {r})[0].token;
+  for (int trial = 0; trial < 5; ++trial) {
+    const int rows = 2 + trial, at = trial % rows;
+    std::vector<float> batch(static_cast<size_t>(rows) * V);
+    std::vector<SampleRow> rs(rows, row_of(0.7f, 5));
+    for (int i = 0; i < rows; ++i) {
+      rs[i].seed = 1000 + trial * 10 + i;
+      for (int j = 0; j < V; ++j) batch[i * V + j] = nd(g);
+    }
+    std::copy(mine.begin(), mine.end(), batch.begin() + static_cast<size_t>(at) * V);
+    rs[at] = r;
+    EXPECT_EQ(cpu::sample(batch.data(), V, V, rs)[at].token, alone);
+  }
+}
+
+TEST(SamplerSpec, EditMathFollowsVllm) {
+  LogitEdit e;
+  e.in_context = 1;
+  EXPECT_FLOAT_EQ(sampling::apply_edit(2.0f, e, 0, 0, 2.0f), 1.0f);    // positive: divided
+  EXPECT_FLOAT_EQ(sampling::apply_edit(-2.0f, e, 0, 0, 2.0f), -4.0f);  // negative: multiplied
+  e.out_count = 3;
+  EXPECT_FLOAT_EQ(sampling::apply_edit(1.0f, e, 0.2f, 0.5f, 1.0f), 1.0f - (0.5f * 3 + 0.2f));
+  LogitEdit b;
+  b.bias = -100.0f;
+  EXPECT_FLOAT_EQ(sampling::apply_edit(5.0f, b, 0, 0, 1.0f), -95.0f);
+  b.banned = 1;
+  EXPECT_EQ(sampling::apply_edit(5.0f, b, 0, 0, 1.0f), -INFINITY);
+}
+
+const LogitEdit* find_edit(const SampleRow& r, int32_t t) {
+  for (const LogitEdit& e : r.edits)
+    if (e.token == t) return &e;
+  return nullptr;
+}
+
+TEST(SampleRowBuilder, ProcessorsBecomeSortedEdits) {
+  SamplingParams p;
+  p.temperature = 0.5f, p.top_k = 7, p.seed = 5;
+  p.logit_bias = {{9, 3.5f}, {2, -1.0f}};
+  p.repetition_penalty = 1.2f;
+  p.frequency_penalty = 0.1f;
+  p.min_tokens = 3;
+  p.stop_token_ids = {11};
+  p.bad_words = {{4}, {6, 7}, {8, 5, 9}};
+  const std::vector<int32_t> tokens = {1, 2, 3, /*generated:*/ 6, 3};
+  SampleRow r = make_sample_row(p, 5, tokens, 3, {0}, 100);
+  EXPECT_EQ(r.step, 2u);
+  EXPECT_EQ(r.seed, 5u);
+  EXPECT_TRUE(std::is_sorted(r.edits.begin(), r.edits.end(), [](auto& a, auto& b) { return a.token < b.token; }));
+  EXPECT_FLOAT_EQ(find_edit(r, 9)->bias, 3.5f);
+  EXPECT_TRUE(find_edit(r, 0)->banned);   // EOS before min_tokens
+  EXPECT_TRUE(find_edit(r, 11)->banned);  // stop id before min_tokens
+  EXPECT_TRUE(find_edit(r, 4)->banned);   // one-token bad word
+  EXPECT_EQ(find_edit(r, 7), nullptr);    // "6 7": the output ends with 3, not 6
+  EXPECT_TRUE(find_edit(r, 1)->in_context);  // prompt token: repetition penalty
+  EXPECT_EQ(find_edit(r, 1)->out_count, 0);
+  EXPECT_EQ(find_edit(r, 3)->out_count, 1);  // generated once (and in the prompt)
+  EXPECT_EQ(find_edit(r, 6)->out_count, 1);
+
+  const std::vector<int32_t> later = {1, 2, 3, 6, 3, 5, 6};
+  SampleRow r2 = make_sample_row(p, 5, later, 3, {0}, 100);
+  EXPECT_TRUE(find_edit(r2, 7)->banned);  // now ends with 6
+  EXPECT_TRUE(find_edit(r2, 0) == nullptr || !find_edit(r2, 0)->banned);  // min_tokens reached
+}
+
+TEST(SampleRowBuilder, AllowedTokensRestrictTheChoice) {
+  SamplingParams p;
+  p.allowed_token_ids = {3, 7};
+  std::vector<float> x(10, 0.0f);
+  x[1] = 50.0f;
+  for (int step = 0; step < 50; ++step) {
+    SampleRow r = make_sample_row(p, 17, std::vector<int32_t>(1 + step, 1), 1, {}, 10);
+    EXPECT_TRUE(r.restrict_to_allowed);
+    const int t = cpu::sample(x.data(), 10, 10, {r})[0].token;
+    EXPECT_TRUE(t == 3 || t == 7) << t;
+  }
+}
+
+TEST(SampleRowBuilder, ValidationNamesTheField) {
+  SamplingParams p;
+  EXPECT_TRUE(validate_sampling(p, 100).ok());
+  auto msg = [](SamplingParams q) { return validate_sampling(q, 100).message(); };
+  SamplingParams q = p;
+  q.presence_penalty = 2.5f;
+  EXPECT_NE(msg(q).find("presence_penalty"), std::string::npos);
+  q = p, q.repetition_penalty = 0.0f;
+  EXPECT_NE(msg(q).find("repetition_penalty"), std::string::npos);
+  q = p, q.min_tokens = 17;
+  EXPECT_NE(msg(q).find("min_tokens"), std::string::npos);
+  q = p, q.logit_bias = {{100, 1.0f}};
+  EXPECT_NE(msg(q).find("logit_bias"), std::string::npos);
+  q = p, q.logit_bias = {{1, 101.0f}};
+  EXPECT_NE(msg(q).find("logit_bias"), std::string::npos);
+  q = p, q.allowed_token_ids = {-1};
+  EXPECT_NE(msg(q).find("allowed_token_ids"), std::string::npos);
+  q = p, q.bad_words = {{1, 200}};
+  EXPECT_NE(msg(q).find("bad_words"), std::string::npos);
+  q = p, q.logprobs = 21;
+  EXPECT_NE(msg(q).find("logprobs"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace moelora
