@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the H200 (device tool), from the repository root, with .device/ carried (made here by
-# scripts/device_prepare.sh). Runs the stages named as arguments (default: all), logging to $OUT:
+# scripts/device_prepare.sh). Runs the stages named as arguments (default: all), logging to $OUT
+# (QUICK=1: the bench stage skips its rank-64 and Mixtral points):
 #   ops      the op suite (every CUDA kernel vs the CPU reference)
 #   verify   moelora verify on every public fixture: graphs + overlap, eager, overlap off
 #   bench    moelora bench (decode steps with sampling, prefill) with JSON records
@@ -32,9 +33,9 @@ for stage in $stages; do
     cfg=bench/configs/qwen3-30b-a3b-fp8.json
     (
       timeout 240 $bin bench --config $cfg --backend cuda --batch 1,8,64,128,256 --adapters 0,8 --rank 16 --iters 10 --json $rec
-      timeout 90 $bin bench --config $cfg --backend cuda --batch 1,64 --adapters 0,8 --rank 64 --iters 8 --json $rec
+      [ "${QUICK:-0}" = 1 ] || timeout 90 $bin bench --config $cfg --backend cuda --batch 1,64 --adapters 0,8 --rank 64 --iters 8 --json $rec
       timeout 90 $bin bench --config $cfg --backend cuda --batch 64 --adapters 0,8 --iters 3 --prefill 512 --json $rec
-      timeout 90 $bin bench --config bench/configs/mixtral-8x7b-fp8.json --backend cuda --batch 1,64 --adapters 0,8 --iters 6 --json $rec
+      [ "${QUICK:-0}" = 1 ] || timeout 90 $bin bench --config bench/configs/mixtral-8x7b-fp8.json --backend cuda --batch 1,64 --adapters 0,8 --iters 6 --json $rec
     ) > $out/bench.log 2>&1
     grep -v "^\[" $out/bench.log ;;
   serve)
