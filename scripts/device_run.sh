@@ -44,7 +44,7 @@ for stage in $stages; do
     $bin serve --backend cuda --port 8123 --model $m --lora attn-r8=$m/adapters/attn-r8 --lora full-r16=$m/adapters/full-r16 \
       > $out/serve.log 2>&1 &
     pid=$!
-    for i in $(seq 1 120); do curl -s localhost:8123/health >/dev/null && break; sleep 0.5; done
+    for i in $(seq 1 120); do curl -sf localhost:8123/health >/dev/null && break; sleep 0.5; done
     curl -s localhost:8123/v1/completions -H 'Content-Type: application/json' \
       -d '{"model": "full-r16", "prompt": "Hello", "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "seed": 1, "logprobs": 2}'; echo
     timeout 120 $bin bench-serving --port 8123 -n 256 --max-concurrency 64 --input-len 32 --output-len 32 --include-base 2>&1 | tail -12
@@ -55,7 +55,7 @@ for stage in $stages; do
       --random-adapters 8 --random-adapter-rank 16 --max-lora-rank 16 --max-num-seqs 256 --max-model-len 2048 \
       > $out/serve_random.log 2>&1 &
     pid=$!
-    for i in $(seq 1 240); do curl -s localhost:8124/health >/dev/null && break; sleep 0.5; done
+    for i in $(seq 1 240); do curl -sf localhost:8124/health >/dev/null && break; sleep 0.5; done
     for c in 1 16 64 256; do
       for ad in 0 8; do
         if [ $ad = 0 ]; then sel="--include-base --adapters 0"; else sel="--adapters 8"; fi

@@ -8,5 +8,7 @@ build=${MOELORA_BUILD_DIR:-$root/build}
 "$root/scripts/install-deps.sh"
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOELORA_CUDA="${MOELORA_CUDA:-AUTO}" >/dev/null
 cmake --build "$build" --target moelora -j "$(nproc)"
-if [ $# -eq 0 ]; then set -- serve; fi
+# Without arguments: serve the bundled model; HTTP adapter loading is confined to the repository's
+# test fixtures (the README's example loads one of them).
+if [ $# -eq 0 ]; then set -- serve --lora-root "$root/tests/fixtures"; fi
 exec "$build/tools/moelora" "$@"
