@@ -32,8 +32,6 @@ const char* finish_reason_name(FinishReason r) {
 
 namespace {
 
-double gib(size_t b) { return static_cast<double>(b) / (1ull << 30); }
-
 // The largest step the scheduler can form: max_batch_tokens prefill tokens spread over as many
 // sequences as may sample at once, every one asking for logits. Run once eagerly at start-up so
 // the backend's scratch and sampling buffers reach the size serving will need.
@@ -89,9 +87,9 @@ Result<int> size_kv_cache(Model& model, Backend& backend, const EngineOptions& o
   in.page_bytes = page_bytes;
   in.pages_per_sequence = per_seq;
   in.kv_pages_override = o.kv_num_pages;
+  in.scratch_bytes = scratch;
   MOELORA_ASSIGN_OR_RETURN(MemoryPlan plan, plan_memory(in));
-  MOELORA_LOG_INFO("{}; step scratch {:.2f} GiB; KV holds {} tokens", plan.summary, gib(scratch),
-                   static_cast<int64_t>(plan.kv_pages) * o.kv_page_size);
+  MOELORA_LOG_INFO("{}; KV holds {} tokens", plan.summary, static_cast<int64_t>(plan.kv_pages) * o.kv_page_size);
   return plan.kv_pages;
 }
 

@@ -67,8 +67,9 @@ Result<MemoryPlan> plan_memory(const MemoryInputs& in) {
   }
   p.kv_bytes = in.page_bytes * static_cast<size_t>(p.kv_pages);
   p.summary = fmt::format("memory: {:.2f} GiB device, {:.2f} GiB in use (weights, step scratch, sampling), "
-                          "{:.2f} GiB kept for adapter slots, {:.2f} GiB KV cache ({} pages)",
-                          gib(in.device_total), gib(in_use), gib(in.adapter_reserve), gib(p.kv_bytes), p.kv_pages);
+                          "{:.2f} GiB kept for adapter slots, {:.2f} GiB KV cache ({} pages); step scratch {:.2f} GiB",
+                          gib(in.device_total), gib(in_use), gib(in.adapter_reserve), gib(p.kv_bytes), p.kv_pages,
+                          gib(in.scratch_bytes));
   return p;
 }
 

@@ -21,6 +21,7 @@ struct MemoryInputs {
   size_t page_bytes = 0;        // one KV page over all layers
   int pages_per_sequence = 0;   // pages of one sequence of the maximum length
   int kv_pages_override = 0;    // > 0: use this many pages (must still fit)
+  size_t scratch_bytes = 0;     // the warm-up's step scratch (already in use; reported only)
 };
 
 struct MemoryPlan {

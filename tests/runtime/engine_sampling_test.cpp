@@ -12,18 +12,8 @@
 namespace moelora::testing {
 namespace {
 
-EngineOptions options() {
-  EngineOptions o;
-  o.max_num_seqs = 16;
-  o.max_batch_tokens = 256;
-  o.max_loras_per_batch = 2;
-  o.max_loaded_loras = 4;
-  o.max_model_len = 256;
-  return o;
-}
-
 TEST(EngineSampling, LogitBiasForcesAToken) {
-  auto engine = make_engine(options());
+  auto engine = make_engine(small_options(2));
   SamplingParams s = greedy(6);
   s.ignore_eos = true;
   const Outcome plain = run_alone(*engine, test_prompt(12, 1), "", s);
@@ -34,7 +24,7 @@ TEST(EngineSampling, LogitBiasForcesAToken) {
 }
 
 TEST(EngineSampling, AllowedTokenIdsRestrictEverySampledToken) {
-  auto engine = make_engine(options());
+  auto engine = make_engine(small_options(2));
   SamplingParams s;
   s.temperature = 1.0f, s.seed = 3, s.max_tokens = 12, s.ignore_eos = true;
   s.allowed_token_ids = {5, 17, 42};
@@ -44,7 +34,7 @@ TEST(EngineSampling, AllowedTokenIdsRestrictEverySampledToken) {
 }
 
 TEST(EngineSampling, BadWordsAreNeverCompleted) {
-  auto engine = make_engine(options());
+  auto engine = make_engine(small_options(2));
   SamplingParams s = greedy(8);
   s.ignore_eos = true;
   const Outcome plain = run_alone(*engine, test_prompt(12, 4), "", s);
@@ -57,7 +47,7 @@ TEST(EngineSampling, BadWordsAreNeverCompleted) {
 }
 
 TEST(EngineSampling, FrequencyPenaltyBreaksRepetition) {
-  auto engine = make_engine(options());
+  auto engine = make_engine(small_options(2));
   SamplingParams s = greedy(24);
   s.ignore_eos = true;
   auto distinct = [](std::vector<int32_t> v) {
@@ -72,7 +62,7 @@ TEST(EngineSampling, FrequencyPenaltyBreaksRepetition) {
 }
 
 TEST(EngineSampling, MinTokensHoldsBackStopTokens) {
-  auto engine = make_engine(options());
+  auto engine = make_engine(small_options(2));
   SamplingParams s = greedy(10);
   const Outcome plain = run_alone(*engine, test_prompt(12, 6), "", s);
   ASSERT_FALSE(plain.tokens.empty());
@@ -84,7 +74,7 @@ TEST(EngineSampling, MinTokensHoldsBackStopTokens) {
 }
 
 TEST(EngineSampling, PenalisedSeededRequestIsIndependentOfTheBatch) {
-  auto engine = make_engine(options());
+  auto engine = make_engine(small_options(2));
   SamplingParams s;
   s.temperature = 0.8f, s.top_k = 40, s.top_p = 0.9f, s.seed = 99, s.max_tokens = 14, s.ignore_eos = true;
   s.repetition_penalty = 1.3f, s.frequency_penalty = 0.4f, s.logit_bias = {{3, 2.0f}};
@@ -100,7 +90,7 @@ TEST(EngineSampling, PenalisedSeededRequestIsIndependentOfTheBatch) {
 }
 
 TEST(EngineSampling, OutOfRangeControlsAreRefused) {
-  auto engine = make_engine(options());
+  auto engine = make_engine(small_options(2));
   SamplingParams s = greedy(4);
   s.logit_bias = {{1 << 30, 1.0f}};
   Collector c(*engine);

@@ -10,16 +10,6 @@
 namespace moelora::testing {
 namespace {
 
-EngineOptions small_options() {
-  EngineOptions o;
-  o.max_num_seqs = 16;
-  o.max_batch_tokens = 256;
-  o.max_loras_per_batch = 4;
-  o.max_loaded_loras = 8;
-  o.max_model_len = 256;
-  return o;
-}
-
 TEST(EngineScheduling, MixedBatchMatchesEachRequestAlone) {
   auto engine = make_engine(small_options());
   ASSERT_TRUE(engine->load_adapter("attn-r8", adapter_dir("attn-r8")).ok());

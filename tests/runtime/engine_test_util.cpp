@@ -21,6 +21,16 @@ std::string adapter_dir(const std::string& name) {
   return (fs::path(MOELORA_SOURCE_DIR) / "tests" / "fixtures" / "qwen3moe" / "adapters" / name).string();
 }
 
+EngineOptions small_options(int slots) {
+  EngineOptions o;
+  o.max_num_seqs = 16;
+  o.max_batch_tokens = 256;
+  o.max_loras_per_batch = slots;
+  o.max_loaded_loras = 2 * slots;
+  o.max_model_len = 256;
+  return o;
+}
+
 std::unique_ptr<Engine> make_engine(const EngineOptions& opts) {
   auto backend = make_backend(BackendOptions{});
   EXPECT_TRUE(backend.ok()) << backend.status().to_string();

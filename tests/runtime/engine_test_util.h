@@ -18,6 +18,9 @@ std::string tiny_model_dir();
 std::string adapter_dir(const std::string& name);  // attn-r8, full-r16, mlp-rslora-r4, pattern
 
 std::unique_ptr<Engine> make_engine(const EngineOptions& opts);
+// A small engine: 16 sequences, 256-token steps and context, `slots` adapter slots (twice as many
+// adapters on the host).
+EngineOptions small_options(int slots = 4);
 
 struct Outcome {
   std::vector<int32_t> tokens;

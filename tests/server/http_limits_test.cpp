@@ -249,8 +249,10 @@ TEST(ServerHttp, TheOpenRequestLimitIsExact) {
   EngineOptions e;
   e.max_num_seqs = 1;  // requests run one at a time, so the first three stay open a while
   TinyServer s(o, e);
+  // 8 choices x 200 tokens, one sequence at a time: the admitted three stay open for seconds, long
+  // after every other request arrived even on a loaded machine (2 choices raced a busy CI run).
   const std::string body =
-      R"({"prompt": "hold", "max_tokens": 200, "ignore_eos": true, "n": 2, "stream": true})";
+      R"({"prompt": "hold", "max_tokens": 200, "ignore_eos": true, "n": 8, "stream": true})";
   std::vector<std::unique_ptr<RawConn>> conns;
   for (int i = 0; i < 24; ++i) conns.push_back(std::make_unique<RawConn>(s.port(), 60s));
   std::atomic<int> go{0};

@@ -4,11 +4,13 @@
 
 #include <cuda_bf16.h>
 
+#include <chrono>
 #include <cstring>
 
 #include "backends/cpu/cpu_ops.h"
 #include "backends/cuda/cuda_backend_internal.h"
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/device_info.h"
 #include "backends/cuda/kernels/attention.cuh"
 #include "backends/cuda/kernels/dense_gemm.cuh"
 #include "backends/cuda/kernels/lora_dense.cuh"
@@ -285,6 +287,34 @@ void CudaBackend::fit_scratch(size_t bytes) {
   arena_ = nullptr;
   arena_bytes_ = bytes;
   MOELORA_CUDA_CHECK(cudaMalloc(&arena_, arena_bytes_));
+}
+
+void CudaBackend::sync_main() {
+  const auto t0 = std::chrono::steady_clock::now();
+  MOELORA_CUDA_CHECK(cudaStreamSynchronize(main_));
+  wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::string CudaBackend::device_description() const {
+  const cuda::DeviceInfo d = cuda::query_device();
+  return d.available ? d.name : "cuda";
+}
+
+void CudaBackend::device_timer_begin() {
+  if (!timer_begin_) {
+    MOELORA_CUDA_CHECK(cudaEventCreate(&timer_begin_));
+    MOELORA_CUDA_CHECK(cudaEventCreate(&timer_end_));
+  }
+  MOELORA_CUDA_CHECK(cudaEventRecord(timer_begin_, main_));
+}
+
+double CudaBackend::device_timer_end_us() {
+  MOELORA_CHECK_MSG(timer_begin_ != nullptr, "device_timer_end_us without device_timer_begin");
+  MOELORA_CUDA_CHECK(cudaEventRecord(timer_end_, main_));
+  MOELORA_CUDA_CHECK(cudaEventSynchronize(timer_end_));
+  float ms = 0;
+  MOELORA_CUDA_CHECK(cudaEventElapsedTime(&ms, timer_begin_, timer_end_));
+  return ms * 1000.0;
 }
 
 bool CudaBackend::device_memory(size_t* free, size_t* total) {

@@ -2,7 +2,6 @@
 // with one copy, runs the kernels of kernels/sampling.cuh on the main stream after the step, and
 // reads back only the results (token, logprob, top logprobs) through pinned memory. Buffers grow
 // to the largest batch seen and are then reused: a steady decode allocates nothing.
-#include <chrono>
 #include <cstring>
 
 #include "backends/cuda/cuda_backend.h"
@@ -15,36 +14,6 @@ namespace moelora {
 namespace {
 size_t align16(size_t n) { return (n + 15) & ~size_t{15}; }
 }  // namespace
-
-void CudaBackend::sync_main() {
-  const auto t0 = std::chrono::steady_clock::now();
-  MOELORA_CUDA_CHECK(cudaStreamSynchronize(main_));
-  wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-std::string CudaBackend::device_description() const {
-  int dev = 0;
-  cudaDeviceProp prop{};
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&prop, dev) != cudaSuccess) return "cuda";
-  return prop.name;
-}
-
-void CudaBackend::device_timer_begin() {
-  if (!timer_begin_) {
-    MOELORA_CUDA_CHECK(cudaEventCreate(&timer_begin_));
-    MOELORA_CUDA_CHECK(cudaEventCreate(&timer_end_));
-  }
-  MOELORA_CUDA_CHECK(cudaEventRecord(timer_begin_, main_));
-}
-
-double CudaBackend::device_timer_end_us() {
-  MOELORA_CHECK_MSG(timer_begin_ != nullptr, "device_timer_end_us without device_timer_begin");
-  MOELORA_CUDA_CHECK(cudaEventRecord(timer_end_, main_));
-  MOELORA_CUDA_CHECK(cudaEventSynchronize(timer_end_));
-  float ms = 0;
-  MOELORA_CUDA_CHECK(cudaEventElapsedTime(&ms, timer_begin_, timer_end_));
-  return ms * 1000.0;
-}
 
 void CudaBackend::reserve_sampling(int rows, int vocab) {
   if (!sampler_) sampler_ = std::make_unique<Sampler>();
