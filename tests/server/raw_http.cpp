@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <thread>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -200,6 +201,16 @@ double metric(int port, const std::string& name) {
       return std::stod(line.substr(line.rfind(' ') + 1));
   }
   return -1;
+}
+
+double metric_settled(int port, const std::string& name, double expected, std::chrono::milliseconds within) {
+  const auto deadline = std::chrono::steady_clock::now() + within;
+  double v = metric(port, name);
+  while (v != expected && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    v = metric(port, name);
+  }
+  return v;
 }
 
 }  // namespace moelora::server::testing

@@ -72,5 +72,10 @@ class TinyServer {
 std::string tiny_model_dir();
 // The value of a /metrics sample (the first whose name is `name`), -1 when absent.
 double metric(int port, const std::string& name);
+// The metric's value once it equals `expected`, or its last value when `within` ran out. A
+// response is complete for the client a moment before the server's bookkeeping of it ends (the
+// open-request count drops after the last write completes), so counts are read this way.
+double metric_settled(int port, const std::string& name, double expected,
+                      std::chrono::milliseconds within = std::chrono::seconds(10));
 
 }  // namespace moelora::server::testing
