@@ -11,9 +11,12 @@
 //       down GEMM prefetching its first weights into L2 while gate_up drains
 //   v3: v2 with each LoRA half as one fused shrink+expand launch (moe_lora_fused)
 //   v4: v3 with the LoRA kernels on the main stream (PDL chain, no events)
-// plus a sweep of the GEMM tile (8/16/32/64 tokens) at the larger batches.
+// plus a sweep of the GEMM tile (8/16/32/64 tokens) x FP8 regime (W8A16 / W8A8) at the larger
+// batches. `dev_moe_bench regimes` runs only the checks, that sweep and the prefill shapes.
 #include <cstdio>
+#include <cstdlib>
 #include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -35,6 +38,7 @@ struct Version {
   bool lora_fused = false;
   int tile = -1;
   bool one_stream = false;
+  int act8 = -1;  // -1: the heuristic's FP8 regime; 0: W8A16; 1: W8A8
 };
 const Version kV1{"v1", false, false}, kV2{"v2", true, true}, kV3{"v3", true, true, true},
     kV4{"v4", true, true, true, -1, true};
@@ -122,11 +126,13 @@ struct Bench {
     a.token_slot = adapters == 1 ? cp.slot1.get() : adapters == 8 ? cp.slot8.get() : nullptr;
     a.out = reinterpret_cast<bf16*>(cp.out.get());
     a.ldo = kH;
-    a.pdl = v.pdl;
-    a.fuse_route = v.fuse;
     a.stop_after = stop;
-    a.lora_fused = v.lora_fused;
-    a.tile_override = v.tile;
+    a.tuning = moe_tuning(a);  // the product's choices, with what the version forces
+    a.tuning->pdl = v.pdl;
+    a.tuning->fuse_route = a.tuning->fuse_route && v.fuse;
+    a.tuning->lora_fused = v.lora_fused;
+    if (v.tile >= 0) a.tuning->tile = static_cast<MoeGemmTile>(v.tile);
+    if (v.act8 >= 0) a.tuning->act_fp8 = v.act8 == 1;
     MoeStreams st{s, v.one_stream ? nullptr : side, ev[0], ev[1], ev[2], ev[3]};
     moe_forward(a, ws, st);
   }
@@ -205,7 +211,8 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& b, int row
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  const bool regimes_only = argc > 1 && std::string(argv[1]) == "regimes";
   int dev_count = 0;
   if (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0) {
     std::printf("no CUDA device\n");
@@ -225,6 +232,17 @@ int main() {
   const int ncopies = 6;
   Bench b;
   b.init(ncopies);
+  if (argc > 4 && std::string(argv[1]) == "profile") {
+    // `profile T tile act8`: three eager base launches of one configuration (for ncu).
+    Version v = kV2;
+    const int T = std::atoi(argv[2]);
+    v.tile = std::atoi(argv[3]);
+    v.act8 = std::atoi(argv[4]);
+    for (int i = 0; i < 3; ++i) b.launch(nullptr, i % ncopies, T, v, 0);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    std::printf("profiled T=%d tile=%d act8=%d\n", T, v.tile, v.act8);
+    return 0;
+  }
   std::printf("expert set %.0f MB x %d copies; LoRA %d adapters r=%d on all %d experts\n",
               expert_bytes * kE / 1e6, ncopies, kSlots, kRank, kE);
 
@@ -273,7 +291,53 @@ int main() {
       std::printf("check v1 == v2 == v3 == v4 (8 LoRA) T=%d: %d / %d / %d elements differ FAIL\n", T, diff, diff3, diff4);
     }
   }
+  // W8A8 against the reference that quantises the activations the same way. The down stage is
+  // judged on the GPU's own act (tests/ops/moe_test.cu says why): every tile at T = 3, the default
+  // W8A8 tile at T = 64.
+  for (int T : {3, 64})
+    for (int tl = 0; tl < 4; ++tl) {
+      if (T > 3 && tl != 1) continue;
+      Version v = kV2;
+      v.tile = tl;
+      v.act8 = 1;
+      b.launch(nullptr, 0, T, v, 8);
+      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto out = b.out_of(0, T);
+      std::vector<uint16_t> act16(static_cast<size_t>(T) * kK * kI);
+      MOELORA_CUDA_CHECK(cudaMemcpy(act16.data(), b.ws.act, act16.size() * 2, cudaMemcpyDeviceToHost));
+      std::vector<float> act(act16.size());
+      for (size_t i = 0; i < act.size(); ++i) act[i] = bf16_to_f32(act16[i]);
+      const auto ids = b.dl(b.copies[0].ids, T * kK);
+      const auto w = b.dl(b.copies[0].w, T * kK);
+      std::vector<int32_t> slots(T);
+      for (int t = 0; t < T; ++t) slots[t] = t % kSlots;
+      std::vector<float> x(b.hx[0].begin(), b.hx[0].begin() + static_cast<size_t>(T) * kH);
+      const MoeReference ref = moe_reference(b.hex, x, T, ids, w, &slots, &b.hl, &act, /*fp8_activations=*/true);
+      bool finite;
+      const double e = rel_err(out, ref.out_from_down_input, T, kH, &finite);
+      const bool pass = finite && e <= 1e-2;
+      ok &= pass;
+      std::printf("check W8A8 tile %d, 8 LoRA, T=%d: rel err %.2e (vs the reference from exact act: %.2e) %s\n",
+                  moe_gemm_tile_rows(static_cast<MoeGemmTile>(tl)), T, e, rel_err(out, ref.out, T, kH, &finite),
+                  pass ? "ok" : "FAIL");
+    }
   std::printf("checks %s\n", ok ? "passed" : "FAILED");
+
+  std::printf("\nregime x tile sweep (base, v2 otherwise, us): T | W8A16 tile 8 | 16 | 32 | 64 | W8A8 tile 8 | 16 | 32 | 64 | default\n");
+  for (int T : {16, 32, 64, 128, 256}) {
+    double t[2][4];
+    for (int a8 = 0; a8 < 2; ++a8)
+      for (int tl = 0; tl < 4; ++tl) {
+        Version v = kV2;
+        v.tile = tl;
+        v.act8 = a8;
+        t[a8][tl] = dev::time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, v, 0); }, ncopies, 30);
+      }
+    const cuda_plan::MoeTuning def = cuda_plan::choose_moe_tuning(cuda_plan::MoeProblem{T, kK, kE, kH, kI});
+    std::printf("%4d | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | tile %d %s\n", T, t[0][0], t[0][1],
+                t[0][2], t[0][3], t[1][0], t[1][1], t[1][2], t[1][3], moe_gemm_tile_rows(def.tile),
+                def.act_fp8 ? "W8A8" : "W8A16");
+  }
 
   // ---- Timing.
   struct Row {
@@ -281,6 +345,7 @@ int main() {
     double D, P1, P8, floor, floor1, floor8, v1, v2, l1, l8, f1, f8, o1, o8;
   };
   std::vector<Row> rows;
+  if (!regimes_only) {
   for (int T : kTokens) {
     Row r{};
     r.T = T;
@@ -327,7 +392,7 @@ int main() {
   }
 
   // GEMM tile sweep (base, v2 otherwise): which token tile suits which batch.
-  std::printf("\ntile sweep (base, us): T | tile 8 | 16 | 32 | 64   (default: %s)\n", "moe_gemm_config");
+  std::printf("\ntile sweep (base, us): T | tile 8 | 16 | 32 | 64   (default: %s)\n", "cuda_plan::choose_moe_gemm_tile");
   for (int T : {16, 32, 64, 128, 256}) {
     double t[4];
     for (int tl = 0; tl < 4; ++tl) {
@@ -336,11 +401,13 @@ int main() {
       t[tl] = dev::time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, v, 0); }, ncopies, 30);
     }
     std::printf("%4d | %6.1f | %6.1f | %6.1f | %6.1f   default %d\n", T, t[0], t[1], t[2], t[3],
-                moe_gemm_tile_rows(moe_gemm_config(T, kK, kE, kH, kI)));
+                moe_gemm_tile_rows(cuda_plan::choose_moe_gemm_tile(T, kK, kE, kH, kI)));
   }
 
+  }  // !regimes_only
+
   // ---- Prefill-shaped (compute-bound; one copy: the weights are re-read by many tiles anyway).
-  std::printf("\nprefill (base, v2, one weight copy): T | us | TFLOP/s (2*T*k*3*H*I)\n");
+  std::printf("\nprefill (base, v2, one weight copy): T | regime | us | TFLOP/s (2*T*k*3*H*I)\n");
   {
     MoeShape ps{8192, kK, kE, kH, kI};
     DevBuf<uint8_t> pws(moe_workspace_bytes(ps, nullptr));
@@ -357,7 +424,8 @@ int main() {
       MOELORA_CUDA_CHECK(cudaMemcpy(px.get(), xb.data(), xb.size() * 2, cudaMemcpyHostToDevice));
       MOELORA_CUDA_CHECK(cudaMemcpy(plog.get(), lg.data(), lg.size() * 4, cudaMemcpyHostToDevice));
     }
-    for (int T : {1024, 2048, 8192}) {
+    for (int T : {1024, 2048, 8192})
+    for (int a8 = 0; a8 < 2; ++a8) {
       auto run = [&](cudaStream_t s, int) {
         MoeForwardArgs a;
         a.T = T;
@@ -374,10 +442,13 @@ int main() {
         a.shape = ps;
         a.out = reinterpret_cast<bf16*>(pout.get());
         a.ldo = kH;
+        a.tuning = moe_tuning(a);
+        a.tuning->act_fp8 = a8 == 1;
         moe_forward(a, w2, MoeStreams{s});
       };
       const double us = dev::time_graph_us(run, 1, 10);
-      std::printf("%5d | %8.1f | %6.1f\n", T, us, 2.0 * T * kK * 3.0 * kH * kI / (us * 1e-6) / 1e12);
+      std::printf("%5d | %s | %8.1f | %6.1f\n", T, a8 ? "W8A8 " : "W8A16", us,
+                  2.0 * T * kK * 3.0 * kH * kI / (us * 1e-6) / 1e12);
     }
   }
 

@@ -7,6 +7,9 @@
 #   bench    moelora bench (decode steps with sampling, prefill) with JSON records
 #   serve    moelora serve --backend cuda on the bundled model, driven over HTTP
 #   sanitize compute-sanitizer memcheck over the sampling op tests and one verify
+#   moe      the MoE workbench (checks, FP8 regime x tile sweep, prefill) and an ncu profile of
+#            the grouped GEMMs at 256 tokens in both regimes
+#   moefull  the whole MoE workbench (every table of bench/RESULTS.md's MoE section)
 set -uo pipefail
 export LD_LIBRARY_PATH=$PWD/.device/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 out=${OUT:-/tmp}
@@ -66,6 +69,24 @@ for stage in $stages; do
     done
     kill -TERM $pid; wait $pid; echo "serve exit $?"
     grep -E "memory:|engine:|random" $out/serve_random.log | head -5 ;;
+  moe)
+    echo "== MoE workbench (regimes)"
+    timeout 300 ./.device/dev_moe_bench regimes > $out/moe_bench_regimes.log 2>&1; echo "exit $?"
+    grep -v "^T=" $out/moe_bench_regimes.log
+    if command -v ncu >/dev/null; then
+      for a8 in 0 1; do
+        timeout 120 ncu -k regex:moe_gemm_kernel --launch-skip 2 --launch-count 2 --section SpeedOfLight \
+          --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
+          --section Occupancy --section LaunchStats ./.device/dev_moe_bench profile 256 1 $a8 \
+          > $out/ncu_moe_T256_tile16_act8_$a8.log 2>&1; echo "ncu act8=$a8 exit $?"
+        grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Executed Ipc A|Issue Slots Busy|Achieved Occupancy|Registers Per|No Eligible" \
+          $out/ncu_moe_T256_tile16_act8_$a8.log | head -24
+      done
+    fi ;;
+  moefull)
+    echo "== MoE workbench (full)"
+    timeout 500 ./.device/dev_moe_bench > $out/moe_bench.log 2>&1; echo "exit $?"
+    grep -v "^T=" $out/moe_bench.log ;;
   sanitize)
     echo "== compute-sanitizer"
     timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 ./.device/moelora_op_suite --gtest_filter='*Sample*' \

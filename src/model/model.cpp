@@ -1,8 +1,10 @@
 #include "model/model.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "io/checkpoint.h"
+#include "model/archs.h"
 #include "model/forward_pass.h"
 #include "model/weight_loader.h"
 
@@ -66,8 +68,47 @@ RopeTable make_rope_table(const ModelConfig& cfg) {
   return t;
 }
 
+ModelShapes model_shapes(const ModelConfig& cfg) {
+  ModelShapes s;
+  s.arch = cfg.model_type;
+  s.hidden = cfg.hidden_size;
+  s.vocab = cfg.vocab_size;
+  s.heads = cfg.num_heads;
+  s.kv_heads = cfg.attn_kv_heads();
+  s.k_head_dim = cfg.attn_k_head_dim();
+  s.v_head_dim = cfg.attn_v_head_dim();
+  s.rope_dim = cfg.rope.rot_dim;
+  s.rope_offset = cfg.is_mla() ? cfg.qk_nope_head_dim : 0;  // forward_pass rotates q after the nope dims
+  const bool any_moe = std::find(cfg.layer_is_moe.begin(), cfg.layer_is_moe.end(), true) != cfg.layer_is_moe.end();
+  if (any_moe) {
+    s.num_experts = cfg.num_experts;
+    s.top_k = cfg.top_k;
+    s.moe_intermediate = cfg.moe_intermediate_size;
+    s.grouped_router = cfg.router == RouterKind::kSigmoidGroupTopK;
+    s.n_group = cfg.n_group;
+    s.topk_group = cfg.topk_group;
+  }
+  s.fp8 = cfg.fp8;
+  s.fp8_block_out = cfg.fp8_block_out;
+  s.fp8_block_in = cfg.fp8_block_in;
+  // Every dense LoRA target of every layer (the slot pool allocates tables for all of them).
+  for (int l = 0; l < cfg.num_layers; ++l)
+    for (int t = 0; t < kNumLoraTargets; ++t) {
+      const auto target = static_cast<LoraTarget>(t);
+      const int in = lora_target_shape(cfg, l, target).first;
+      if (in == 0) continue;
+      const std::string name = lora_target_name(target);
+      const bool seen = std::any_of(s.lora_inputs.begin(), s.lora_inputs.end(),
+                                    [&](const ModelShapes::LoraInput& x) { return x.name == name && x.in == in; });
+      if (!seen) s.lora_inputs.push_back({name, in});
+    }
+  return s;
+}
+
 Result<std::unique_ptr<Model>> Model::load(const std::string& dir, Backend& backend) {
   MOELORA_ASSIGN_OR_RETURN(ModelConfig cfg, load_model_config(dir));
+  // Before the checkpoint is read: a refusal costs nothing and names the limit.
+  MOELORA_RETURN_IF_ERROR(backend.check_model_shapes(model_shapes(cfg)).with_context(dir + ": "));
   MOELORA_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::open(dir));
   std::unique_ptr<Model> m(new Model(cfg, dir, backend));
   MOELORA_ASSIGN_OR_RETURN(m->weights_, load_model_weights(ck, cfg, backend));

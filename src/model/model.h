@@ -17,13 +17,19 @@ namespace moelora {
 // Rotary tables as transformers computes them (default, linear and YaRN scaling).
 RopeTable make_rope_table(const ModelConfig& cfg);
 
+// The shapes Backend::check_model_shapes judges (adapter capacity left 0: the engine adds it).
+ModelShapes model_shapes(const ModelConfig& cfg);
+
 class Model {
  public:
   // Loads config.json and the checkpoint in `dir` onto `backend` (which must outlive the model).
+  // A model whose shapes the backend's kernels cannot take is refused before any weight is read
+  // (Backend::check_model_shapes).
   static Result<std::unique_ptr<Model>> load(const std::string& dir, Backend& backend);
   // A model of `cfg`'s shapes with pseudo-random weights made on the backend (benchmarks):
   // FP8 block-scaled linears when cfg.fp8 and the backend keeps FP8, else its float type.
-  static std::unique_ptr<Model> random(const ModelConfig& cfg, Backend& backend, uint64_t seed);
+  // Refused like load() when the backend's kernels cannot take the shapes.
+  static Result<std::unique_ptr<Model>> random(const ModelConfig& cfg, Backend& backend, uint64_t seed);
 
   const ModelConfig& config() const { return cfg_; }
   const std::string& dir() const { return dir_; }

@@ -4,7 +4,8 @@
 
 namespace moelora {
 
-std::unique_ptr<Model> Model::random(const ModelConfig& cfg, Backend& b, uint64_t seed) {
+Result<std::unique_ptr<Model>> Model::random(const ModelConfig& cfg, Backend& b, uint64_t seed) {
+  MOELORA_RETURN_IF_ERROR(b.check_model_shapes(model_shapes(cfg)));
   std::unique_ptr<Model> m(new Model(cfg, "(random weights)", b));
   const bool fp8 = cfg.fp8 && b.device() != Device::kCpu;
   const DType act = b.act_dtype();

@@ -7,7 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "core/status.h"
 #include "core/tensor.h"
+#include "ops/model_shapes.h"
 #include "ops/sampling.h"
 #include "ops/types.h"
 
@@ -20,6 +22,17 @@ class Backend {
   virtual Device device() const = 0;
   // dtype of activations the backend allocates (CPU: f32).
   virtual DType act_dtype() const = 0;
+
+  // ---- What the kernels can take. A model (or an adapter capacity) whose shapes the backend's
+  // kernels cannot run is refused here with a message naming each limit, before any weight is
+  // loaded: Model::load and Model::random call it with the model's shapes, Engine::create again
+  // with its adapter slots and rank. A kernel launcher that still meets such a shape aborts
+  // (MOELORA_CHECK), so every limit a launcher asserts on a model shape belongs here.
+  // Default: everything (the CPU reference runs any shape).
+  virtual Status check_model_shapes(const ModelShapes& shapes) const { return {}; }
+  // Largest LoRA rank the kernels take (0 = any). The engine lowers its max_lora_rank to it, so
+  // an adapter above it is refused when it loads.
+  virtual int max_lora_rank() const { return 0; }
 
   // ---- Persistent memory (weights, adapters, KV pages): lives until the returned tensor dies.
   // Copies a host tensor to the backend, converting float dtypes to `dtype`.

@@ -14,6 +14,7 @@ struct BackendOptions {
   std::string name = "cpu";
   bool cuda_graphs = true;     // CUDA: replay captured decode graphs
   bool cuda_overlap = true;    // CUDA: LoRA work on a side stream
+  bool cuda_moe_fp8_activations = false;  // CUDA: FP8 experts may quantise activations (W8A8)
 };
 
 Result<std::unique_ptr<Backend>> make_backend(const BackendOptions& opts);

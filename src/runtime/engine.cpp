@@ -266,10 +266,26 @@ Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() { stop(); }
 
 Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Backend> backend, std::unique_ptr<Model> model,
-                                               const EngineOptions& opts) {
-  if (opts.max_num_seqs < 1 || opts.max_batch_tokens < 1 || opts.kv_page_size < 1 || opts.max_loras_per_batch < 1 ||
-      opts.max_loaded_loras < opts.max_loras_per_batch)
+                                               const EngineOptions& requested) {
+  if (requested.max_num_seqs < 1 || requested.max_batch_tokens < 1 || requested.kv_page_size < 1 ||
+      requested.max_loras_per_batch < 1 || requested.max_loaded_loras < requested.max_loras_per_batch)
     return invalid_argument("engine options out of range (max_loaded_loras must be >= max_loras_per_batch)");
+  EngineOptions opts = requested;
+  // Kernels with a rank ceiling (CUDA: 128) would abort when an adapter above it is placed in a
+  // slot; lowering the engine's ceiling makes the registry refuse such an adapter when it loads.
+  // The default (256) stays usable on every backend, so this lowers rather than refuses.
+  if (const int cap = backend->max_lora_rank(); cap > 0 && opts.max_lora_rank > cap) {
+    MOELORA_LOG_WARN("engine: the {} backend's LoRA kernels take ranks up to {}: max_lora_rank {} lowered to {} "
+                     "(adapters of a higher rank are refused when they load)",
+                     backend->name(), cap, opts.max_lora_rank, cap);
+    opts.max_lora_rank = cap;
+  }
+  // The model's shapes passed the backend at load; the adapter capacity is known only now.
+  ModelShapes shapes = model_shapes(model->config());
+  shapes.lora_slots = opts.max_loras_per_batch;
+  shapes.max_lora_rank = opts.max_lora_rank;
+  MOELORA_RETURN_IF_ERROR(backend->check_model_shapes(shapes).with_context(
+      fmt::format("max_loras_per_batch {}, max_lora_rank {}: ", opts.max_loras_per_batch, opts.max_lora_rank)));
   auto impl = std::make_unique<Impl>();
   impl->opts = opts;
   const ModelConfig& cfg = model->config();
@@ -388,6 +404,15 @@ Status Engine::load_adapter(const std::string& name, const std::string& path, co
 }
 
 Status Engine::add_adapter(const std::string& name, std::shared_ptr<const LoraAdapter> adapter) {
+  // Files are checked against the rank ceiling when they load; an in-memory adapter here (a
+  // backend's kernels may abort on a rank above it when the adapter is placed in a slot).
+  if (adapter->max_rank > impl_->opts.max_lora_rank)
+    return invalid_argument("adapter '{}' has rank {}, above the engine's maximum {} (--max-lora-rank{})", name,
+                            adapter->max_rank, impl_->opts.max_lora_rank,
+                            impl_->backend->max_lora_rank() > 0 ? fmt::format(", and the {} kernels' limit {}",
+                                                                              impl_->backend->name(),
+                                                                              impl_->backend->max_lora_rank())
+                                                                : std::string());
   std::lock_guard<std::mutex> lk(impl_->mu);
   return impl_->registry->add_in_memory(name, std::move(adapter));
 }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backends/cpu/cpu_ops.h"
+#include "core/dtype.h"
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/kernels/moe_forward.cuh"
 #include "core/dtype.h"
@@ -227,16 +228,21 @@ struct MoeReference {
   std::vector<float> out;  // [T, H]
   std::vector<float> act;  // [T*k, I] per pair (valid pairs only)
   std::vector<float> delta_gu, delta_d;  // [T*k, 2I], [T*k, H] LoRA deltas per pair (zeros without)
+  // With `down_input`: the layer's output from down + weighted sum applied to that input (base
+  // down through e4m3 when fp8_activations, LoRA down on it as given).
+  std::vector<float> out_from_down_input;  // [T, H]
 };
 
 // `down_input`, when given ([T*k, I], e.g. the GPU's bf16 act), feeds the per-pair down-LoRA
 // stage instead of the reference's own act: a rank-1 delta is one dot product whose relative error
 // from the bf16 rounding of act is unbounded under cancellation, so the stage is checked on the
 // input the kernel actually had (the final output is still checked end to end against cpu::moe).
+// `fp8_activations`: the W8A8 regime (cpu::MoeArgs::fp8_activations) for out, act and
+// out_from_down_input.
 inline MoeReference moe_reference(const HostExperts& ex, const std::vector<float>& x, int T,
                                   const std::vector<int32_t>& ids, const std::vector<float>& weights,
                                   const std::vector<int32_t>* slot, const std::vector<HostLoraSlot>* lora,
-                                  const std::vector<float>* down_input = nullptr) {
+                                  const std::vector<float>* down_input = nullptr, bool fp8_activations = false) {
   const cuda::MoeShape& s = ex.shape;
   const int k = s.k, H = s.H, I = s.I, E = s.E;
   std::map<int, int> remap;  // expert -> compact index
@@ -318,23 +324,36 @@ inline MoeReference moe_reference(const HostExperts& ex, const std::vector<float
   a.lora = lora ? &tab : nullptr;
   a.out = ref.out.data();
   a.ldo = H;
+  a.fp8_activations = fp8_activations;
   cpu::moe(a);
+  // W8A8: the base GEMMs see x (and act, below) through e4m3 with per-token 1x128 scales.
+  auto fp8_round_trip = [](const float* in, int n) {
+    std::vector<float> f(in, in + n), sc((n + 127) / 128);
+    std::vector<uint8_t> q(n);
+    cpu::quantize_fp8_per_token_group(f.data(), 1, n, 128, q.data(), sc.data());
+    for (int i = 0; i < n; ++i) f[i] = fp8e4m3_to_f32(q[i]) * sc[i / 128];
+    return f;
+  };
 
   // Per-pair stages (diagnostics: which kernel is wrong), computed directly in f64.
   ref.act.assign(static_cast<size_t>(T) * k * I, 0.0f);
   ref.delta_gu.assign(static_cast<size_t>(T) * k * 2 * I, 0.0f);
   ref.delta_d.assign(static_cast<size_t>(T) * k * H, 0.0f);
+  std::vector<double> out_dd;
+  if (down_input) out_dd.assign(static_cast<size_t>(T) * H, 0.0);
   for (int t = 0; t < T; ++t)
     for (int j = 0; j < k; ++j) {
       const int pr = t * k + j;
       if (ids[pr] < 0 || ids[pr] >= E) continue;
       const int u = rids[pr];
       const float* xr = x.data() + static_cast<size_t>(t) * H;
+      const std::vector<float> xq = fp8_activations ? fp8_round_trip(xr, H) : std::vector<float>();
+      const float* xb = fp8_activations ? xq.data() : xr;  // the base GEMM's input
       std::vector<double> g(2 * I), act(I);
       for (int o = 0; o < 2 * I; ++o) {
         double acc = 0;
         const float* wr = wgu.data() + (static_cast<size_t>(u) * 2 * I + o) * H;
-        for (int h = 0; h < H; ++h) acc += static_cast<double>(xr[h]) * wr[h];
+        for (int h = 0; h < H; ++h) acc += static_cast<double>(xb[h]) * wr[h];
         g[o] = acc;
       }
       const int sl = slot ? (*slot)[t] : -1;
@@ -362,8 +381,22 @@ inline MoeReference moe_reference(const HostExperts& ex, const std::vector<float
       }
       if (down_input)
         for (int i = 0; i < I; ++i) act[i] = (*down_input)[static_cast<size_t>(pr) * I + i];
-      apply(2, 3, l ? l->d_rank : 0, act.data(), I, H, ref.delta_d.data() + static_cast<size_t>(pr) * H);
+      float* dd = ref.delta_d.data() + static_cast<size_t>(pr) * H;
+      apply(2, 3, l ? l->d_rank : 0, act.data(), I, H, dd);
+      if (!down_input) continue;
+      std::vector<float> af(act.begin(), act.end());
+      if (fp8_activations) {
+        for (float& v : af) v = bf16_to_f32(f32_to_bf16(v));  // as the GPU stores act
+        af = fp8_round_trip(af.data(), I);
+      }
+      for (int o = 0; o < H; ++o) {
+        double acc = 0;
+        const float* wr = wd.data() + (static_cast<size_t>(u) * H + o) * I;
+        for (int i = 0; i < I; ++i) acc += static_cast<double>(af[i]) * wr[i];
+        out_dd[static_cast<size_t>(t) * H + o] += static_cast<double>(rw[pr]) * (acc + dd[o]);
+      }
     }
+  ref.out_from_down_input.assign(out_dd.begin(), out_dd.end());
   return ref;
 }
 

@@ -6,6 +6,7 @@
 
 #include "backends/cpu/cpu_ops.h"
 #include "core/check.h"
+#include "core/dtype.h"
 
 namespace moelora::cpu {
 
@@ -118,15 +119,29 @@ void apply_lora(const ExpertLora& l, const double* x, int in, int out, double* y
   }
 }
 
+// in -> e4m3(in / scale) * scale per 128-channel group (optionally rounding `in` to bf16 first).
+void fp8_round_trip(const double* in, int n, bool bf16_first, double* out) {
+  std::vector<float> f(n), s((n + 127) / 128);
+  std::vector<uint8_t> q(n);
+  for (int i = 0; i < n; ++i) {
+    f[i] = static_cast<float>(in[i]);
+    if (bf16_first) f[i] = bf16_to_f32(f32_to_bf16(f[i]));
+  }
+  quantize_fp8_per_token_group(f.data(), 1, n, 128, q.data(), s.data());
+  for (int i = 0; i < n; ++i) out[i] = static_cast<double>(fp8e4m3_to_f32(q[i])) * s[i / 128];
+}
+
 }  // namespace
 
 void moe(const MoeArgs& a) {
   const int H = a.H, I = a.I;
   const int total_experts = a.global_experts > 0 ? a.global_experts : a.E;
   MOELORA_CHECK(a.expert_begin >= 0 && a.expert_begin + a.E <= total_experts);
-  std::vector<double> x(H), g(2 * I), act(I), d(H), y(H);
+  std::vector<double> x(H), g(2 * I), act(I), d(H), y(H), xq(H), actq(I);
   for (int64_t t = 0; t < a.T; ++t) {
     for (int i = 0; i < H; ++i) x[i] = a.x[t * a.ldx + i];
+    if (a.fp8_activations) fp8_round_trip(x.data(), H, /*bf16_first=*/false, xq.data());
+    const double* xb = a.fp8_activations ? xq.data() : x.data();  // the base GEMM's input
     std::fill(y.begin(), y.end(), 0.0);
     const int slot = a.slot ? a.slot[t] : -1;
     for (int j = 0; j < a.k; ++j) {
@@ -139,7 +154,7 @@ void moe(const MoeArgs& a) {
       for (int o = 0; o < 2 * I; ++o) {
         const float* wr = wgu + static_cast<int64_t>(o) * H;
         double acc = 0.0;
-        for (int i = 0; i < H; ++i) acc += x[i] * wr[i];
+        for (int i = 0; i < H; ++i) acc += xb[i] * wr[i];
         g[o] = acc;
       }
       ExpertLora gu, dn;
@@ -151,11 +166,13 @@ void moe(const MoeArgs& a) {
       }
       apply_lora(gu, x.data(), H, 2 * I, g.data());  // before the activation, unweighted
       for (int i = 0; i < I; ++i) act[i] = g[i] / (1.0 + std::exp(-g[i])) * g[I + i];
+      if (a.fp8_activations) fp8_round_trip(act.data(), I, /*bf16_first=*/true, actq.data());
+      const double* ab = a.fp8_activations ? actq.data() : act.data();
       const float* wd = a.w_down + static_cast<int64_t>(e) * H * I;
       for (int o = 0; o < H; ++o) {
         const float* wr = wd + static_cast<int64_t>(o) * I;
         double acc = 0.0;
-        for (int i = 0; i < I; ++i) acc += act[i] * wr[i];
+        for (int i = 0; i < I; ++i) acc += ab[i] * wr[i];
         d[o] = acc;
       }
       apply_lora(dn, act.data(), I, H, d.data());

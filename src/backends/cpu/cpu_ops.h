@@ -82,6 +82,11 @@ struct MoeArgs {
   // global_experts == 0: no expert parallelism, the weights hold the whole layer.
   int expert_begin = 0;
   int global_experts = 0;
+  // W8A8, the CUDA FP8 experts' regime from 16-token tiles on (docs/numerics.md): the base GEMMs
+  // read their inputs quantised per token per 128 channels to e4m3 (quantize_fp8_per_token_group)
+  // and dequantised, the down input rounded to bf16 first as the GPU stores it; LoRA reads the
+  // unquantised inputs. Off: the exact W8A16 / f32 semantics.
+  bool fp8_activations = false;
 };
 void moe(const MoeArgs& a);
 

@@ -14,8 +14,11 @@
 #include "backends/cuda/kernels/attention.cuh"
 #include "backends/cuda/kernels/dense_gemm.cuh"
 #include "backends/cuda/kernels/lora_dense.cuh"
+#include "backends/cuda/kernels/moe_align.cuh"
 #include "backends/cuda/kernels/moe_gemm.cuh"
+#include "backends/cuda/kernels/moe_lora.cuh"
 #include "backends/cuda/kernels/random_fill.cuh"
+#include "backends/cuda_plan/shape_limits.h"
 
 namespace moelora {
 
@@ -35,6 +38,24 @@ CudaBackend::CudaBackend(const CudaBackendOptions& opts) : opts_(opts), meta_(st
   arena_bytes_ = opts.arena_bytes;
   MOELORA_CUDA_CHECK(cudaMalloc(&arena_, arena_bytes_));
 }
+
+// The host-side mirror of the kernels' limits must agree with the constants the kernels export.
+static_assert(cuda_plan::kMaxLoraRank == cuda::kLoraMaxRank && cuda_plan::kMaxLoraRank == cuda::kMoeLoraMaxRank,
+              "shape_limits.h mirrors the LoRA kernels' rank limit");
+static_assert(cuda_plan::kMoeMaxLoraBuckets == cuda::kMoeMaxLoraBuckets,
+              "shape_limits.h mirrors moe_align's LoRA bucket limit");
+
+Status CudaBackend::check_model_shapes(const ModelShapes& shapes) const {
+  MOELORA_RETURN_IF_ERROR(cuda_plan::check_shape_limits(shapes));
+  // The attention list is a copy of the kernels' own predicate: should they ever disagree, the
+  // kernels' answer wins (a refusal here, not an abort mid-forward).
+  if (!cuda::attention_head_dims_supported(shapes.k_head_dim, shapes.v_head_dim))
+    return unsupported("the CUDA attention kernels do not support head dims (k {}, v {})", shapes.k_head_dim,
+                       shapes.v_head_dim);
+  return {};
+}
+
+int CudaBackend::max_lora_rank() const { return cuda_plan::kMaxLoraRank; }
 
 CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(main_);

@@ -29,6 +29,7 @@ namespace moelora {
 
 struct CudaBackendOptions {
   bool overlap = true;            // MoE LoRA on a side stream
+  bool moe_fp8_activations = false;  // FP8 experts may run W8A8 (cuda_plan::MoeProblem)
   bool graphs = true;             // replay captured decode graphs (see CudaGraphCache)
   // First size of the step arena: the engine refits it to its largest step after a warm-up, and
   // a larger eager step grows it (CudaBackend::arena_alloc).
@@ -45,6 +46,9 @@ class CudaBackend final : public Backend {
   std::string name() const override { return "cuda"; }
   Device device() const override { return Device::kCuda; }
   DType act_dtype() const override { return DType::kBF16; }
+  // The kernels' limits on model shapes (backends/cuda_plan/shape_limits.h).
+  Status check_model_shapes(const ModelShapes& shapes) const override;
+  int max_lora_rank() const override;
 
   Tensor upload(const Tensor& host, DType dtype) override;
   LinearWeight upload_linear(const Tensor& w, const Tensor& scale_inv, int block_out, int block_in) override;

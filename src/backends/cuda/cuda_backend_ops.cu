@@ -288,6 +288,7 @@ void CudaBackend::moe(const Tensor& x, const Tensor& ids, const Tensor& weights,
   a.shape = {T, static_cast<int>(ids.cols()), experts.num_experts, experts.hidden, experts.intermediate};
   a.out = act(out);
   a.ldo = out.ld();
+  a.allow_fp8_activations = opts_.moe_fp8_activations;
   // LoRA only when some token of the step uses a slot with expert LoRA here.
   cuda::MoeLoraDevice dev;
   cuda::MoeLoraShape lshape;

@@ -78,6 +78,18 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// ---- Warp MMA: D(16x8, f32) += A(16x32, e4m3, row) * B(32x8, e4m3, col) (sm_89+). Each
+// register holds 4 consecutive k of one row (A: a0/a2 row g, a1/a3 row g + 8; k 4c..4c+3 in a0,
+// a1, b0 and 16 + 4c.. in a2, a3, b1; B: column g). Products of e4m3 values are exact in f32.
+__device__ __forceinline__ void mma_e4m3_16832(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // ---- cp.async (16 bytes, L2 only: streamed weights must not evict L1-resident indices).
 // pred = false zero-fills the destination without reading `src` (which must still be a valid
 // address expression; callers pass a base pointer).
@@ -85,6 +97,12 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* src, bool pre
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const int n = pred ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(n) : "memory");
+}
+// 4 bytes through L1 (cp.async.cg only takes 16): the per-token activation scales of a tile.
+__device__ __forceinline__ void cp_async4(void* smem, const void* src, bool pred) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = pred ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(src), "r"(n) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>

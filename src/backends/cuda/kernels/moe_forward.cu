@@ -1,6 +1,8 @@
 // Workspace layout and launch sequence of one MoE layer (see moe_forward.cuh).
 #include "backends/cuda/kernels/moe_forward.cuh"
 
+#include "backends/cuda/kernels/fp8_quant.cuh"
+
 #include <algorithm>
 
 namespace moelora::cuda {
@@ -9,9 +11,6 @@ namespace {
 
 constexpr size_t kAlign = 256;
 constexpr int kMinTileRows = 8;      // smallest GEMM tile: sizes the base tile list for every config
-// One CTA routes every token inside moe_align: on the H200 (run 1) this beat the separate router
-// launch at T = 1 but lost at T = 64, where 32 warps route 2 tokens each in series.
-constexpr int kFuseRouteMaxT = 8;
 
 size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
@@ -39,6 +38,10 @@ MoeWorkspace layout(void* base, const MoeShape& s, const MoeLoraShape* lora, siz
   w.tile_pairs = c.take<int32_t>(P + 64 * std::min<size_t>(s.E, P) + 1);
   w.act = c.take<bf16>(std::max<size_t>(P * s.I, 1));
   w.y = c.take<float>(std::max<size_t>(P * s.H, 1));
+  w.xq = c.take<uint8_t>(std::max<size_t>(static_cast<size_t>(s.max_tokens) * s.H, 1));
+  w.xs = c.take<float>(std::max<size_t>(static_cast<size_t>(s.max_tokens) * ((s.H + 127) / 128), 1));
+  w.aq = c.take<uint8_t>(std::max<size_t>(P * s.I, 1));
+  w.as = c.take<float>(std::max<size_t>(P * ((s.I + 127) / 128), 1));
   if (lora) {
     const int nb = lora->num_slots * s.E + 1;
     w.l_sorted = c.take<int32_t>(std::max<size_t>(P, 1));
@@ -93,6 +96,14 @@ MoeWorkspace moe_workspace_carve(void* base, const MoeShape& s, const MoeLoraSha
   return layout(base, s, lora, &b);
 }
 
+cuda_plan::MoeTuning moe_tuning(const MoeForwardArgs& a) {
+  if (a.tuning) return *a.tuning;
+  const MoeShape& s = a.shape;
+  return cuda_plan::choose_moe_tuning(
+      cuda_plan::MoeProblem{.T = a.T, .k = s.k, .E = s.E, .H = s.H, .I = s.I, .has_logits = a.logits != nullptr,
+                            .allow_fp8_activations = a.allow_fp8_activations});
+}
+
 void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStreams& st) {
   const MoeShape& s = a.shape;
   MOELORA_CHECK(a.T >= 0 && a.T <= s.max_tokens && a.x && a.ids && a.weights && a.out);
@@ -105,8 +116,23 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   cudaStream_t M = st.main, S = two_streams ? st.side : st.main;
   const int P = a.T * s.k;
 
-  const MoeGemmTile tile = a.tile_override >= 0 ? static_cast<MoeGemmTile>(a.tile_override)
-                                                : moe_gemm_config(a.T, s.k, s.E, s.H, s.I);
+  const cuda_plan::MoeTuning tune = moe_tuning(a);
+  const MoeGemmTile tile = tune.tile;
+  const bool pdl = tune.pdl;
+  const bool act_fp8 = tune.act_fp8 && a.wtype == MoeWeightType::kFp8;
+  const int H_groups = (s.H + 127) / 128, I_groups = (s.I + 127) / 128;
+  if (act_fp8) {  // first of the layer: it reads only x (the router that follows waits for it)
+    Fp8QuantParams q;
+    q.x = a.x;
+    q.ld_x = a.ldx;
+    q.M = a.T;
+    q.K = s.H;
+    q.q = ws.xq;
+    q.ld_q = s.H;
+    q.scales = ws.xs;
+    q.scale_ld = H_groups;
+    launch_fp8_quant_per_token(q, M);
+  }
 
   // ---- Routing + alignment (one launch when routing is fused).
   RouterParams rp = a.router;
@@ -116,9 +142,9 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   rp.k = s.k;
   rp.ids = a.ids;
   rp.weights = a.weights;
-  const bool fuse = a.logits && a.fuse_route && a.T <= kFuseRouteMaxT && s.E <= 256;
+  const bool fuse = a.logits && tune.fuse_route && s.E <= 256 && s.k <= 32;  // what moe_align can route
   if (a.logits && !fuse) {
-    rp.pdl = a.pdl;
+    rp.pdl = pdl;
     router_topk(rp, M);
   }
   MoeAlignParams al;
@@ -147,7 +173,7 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
     al.g_tiles = ws.g_tiles;
     al.max_g_tiles = ws.max_g_tiles;
   }
-  al.pdl = a.pdl && a.logits && !fuse;  // PDL only behind our own router kernel (else: first of the layer)
+  al.pdl = pdl && a.logits && !fuse;  // PDL only behind our own router kernel (else: first of the layer)
   moe_align(al, M);
   if (a.stop_after == 1) return;
 
@@ -157,8 +183,8 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
       MOELORA_CUDA_CHECK(cudaEventRecord(st.ev_ids, M));
       MOELORA_CUDA_CHECK(cudaStreamWaitEvent(S, st.ev_ids, 0));
     }
-    if (a.lora_fused) {
-      moe_lora_fused(fused_params(a, ws, /*gate_up=*/true, a.pdl && !two_streams), S);
+    if (tune.lora_fused) {
+      moe_lora_fused(fused_params(a, ws, /*gate_up=*/true, pdl && !two_streams), S);
     } else {
       MoeLoraShrinkParams sh;
       sh.x = a.x;
@@ -176,7 +202,7 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
       sh.u_pair = ws.u_gu_pair;
       sh.u_tok = ws.u_gu_tok;
       sh.ldu = ws.ldu;
-      sh.pdl = a.pdl && !two_streams;  // behind moe_align on the same stream
+      sh.pdl = pdl && !two_streams;  // behind moe_align on the same stream
       moe_lora_shrink(sh, S);
       MoeLoraExpandParams ex;
       ex.u_pair = ws.u_gu_pair;
@@ -192,7 +218,7 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
       ex.num_slots = a.lora->num_slots;
       ex.N = 2 * s.I;
       ex.out = ws.delta_gu;
-      ex.pdl = a.pdl;
+      ex.pdl = pdl;
       moe_lora_expand(ex, S);
     }
     if (two_streams) {
@@ -218,9 +244,14 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   g.tiles = ws.tiles;
   g.counters = ws.counters;
   g.max_tiles = moe_max_tiles(P, s.E, moe_gemm_tile_rows(tile));
+  g.act_fp8 = act_fp8;
+  g.xq = ws.xq;
+  g.ldxq = s.H;
+  g.xs = ws.xs;
+  g.ldxs = H_groups;
   g.lora_delta = lora ? ws.delta_gu : nullptr;
   g.act = ws.act;
-  g.pdl = a.pdl && !two_streams;  // an event wait precedes it with two streams
+  g.pdl = pdl && !two_streams;  // an event wait precedes it with two streams
   moe_gate_up(g, M);
   if (a.stop_after == 2) return;
 
@@ -230,8 +261,8 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
       MOELORA_CUDA_CHECK(cudaEventRecord(st.ev_act, M));
       MOELORA_CUDA_CHECK(cudaStreamWaitEvent(S, st.ev_act, 0));
     }
-    if (a.lora_fused) {
-      moe_lora_fused(fused_params(a, ws, /*gate_up=*/false, a.pdl && !two_streams), S);
+    if (tune.lora_fused) {
+      moe_lora_fused(fused_params(a, ws, /*gate_up=*/false, pdl && !two_streams), S);
     } else {
       MoeLoraShrinkParams sh;
       sh.x = ws.act;
@@ -247,7 +278,7 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
       sh.max_rank = a.lora->max_rank;
       sh.u_pair = ws.u_d;
       sh.ldu = ws.ldu;
-      sh.pdl = a.pdl && !two_streams;  // behind gate_up on one stream; behind an event wait otherwise
+      sh.pdl = pdl && !two_streams;  // behind gate_up on one stream; behind an event wait otherwise
       moe_lora_shrink(sh, S);
       MoeLoraExpandParams ex;
       ex.u_pair = ws.u_d;
@@ -261,7 +292,7 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
       ex.num_slots = a.lora->num_slots;
       ex.N = s.H;
       ex.out = ws.delta_d;
-      ex.pdl = a.pdl;
+      ex.pdl = pdl;
       moe_lora_expand(ex, S);
     }
     if (two_streams) MOELORA_CUDA_CHECK(cudaEventRecord(st.ev_d, S));
@@ -273,13 +304,29 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   d.w_scale = a.s_down;
   d.x = ws.act;
   d.ldx = s.I;
+  d.xq = ws.aq;
+  d.ldxq = s.I;
+  d.xs = ws.as;
+  d.ldxs = I_groups;
+  if (act_fp8) {  // act rows of every pair (rows of skipped pairs are never read by moe_down)
+    Fp8QuantParams q;
+    q.x = ws.act;
+    q.ld_x = s.I;
+    q.M = P;
+    q.K = s.I;
+    q.q = ws.aq;
+    q.ld_q = s.I;
+    q.scales = ws.as;
+    q.scale_ld = I_groups;
+    launch_fp8_quant_per_token(q, M);
+  }
   d.lora_delta = nullptr;
   d.act = nullptr;
   d.y = ws.y;
   // Its stream predecessor is one of our kernels (gate_up, or the down LoRA expand on one stream),
   // which triggers only after its own wait: moe_align is complete when down starts early.
-  d.pdl = a.pdl;
-  d.early_prefetch = a.pdl;
+  d.pdl = pdl;
+  d.early_prefetch = pdl;
   moe_down(d, M);
   if (a.stop_after == 3) return;
   if (two_streams) MOELORA_CUDA_CHECK(cudaStreamWaitEvent(M, st.ev_d, 0));
@@ -295,7 +342,7 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   r.H = s.H;
   r.out = a.out;
   r.ldo = a.ldo;
-  r.pdl = a.pdl && !two_streams;
+  r.pdl = pdl && !two_streams;
   moe_reduce(r, M);
 }
 

@@ -3,11 +3,12 @@
 // The CUDA backend can call moe_forward as is or copy its sequence; tests/ops and dev/ use it.
 //
 // Sequence (main stream M, side stream S, events created by the caller before any capture):
-//   M: [router_topk]  moe_align (base tiles + LoRA groups; routing fused in when fuse_route)
+//   M: [fp8 quant x]  [router_topk]  moe_align (base tiles + LoRA groups; routing fused in when fuse_route)
 //   M: record ev_ids ─► S: wait ev_ids, gate_up shrink, gate_up expand -> delta_gu, record ev_gu
 //   M: wait ev_gu, moe_gate_up(+ delta_gu before SwiGLU) -> act, record ev_act
 //   S: wait ev_act, down shrink(act), down expand -> delta_d, record ev_d
-//   M: moe_down -> y (concurrently with S), wait ev_d, moe_reduce(y, delta_d) -> out
+//   M: [fp8 quant act]  moe_down -> y (concurrently with S), wait ev_d, moe_reduce(y, delta_d) -> out
+// (the fp8 quantisations only in the W8A8 regime, MoeTuning::act_fp8 with FP8 experts)
 // No buffer is written by one stream while the other reads it without an event in between; no
 // allocation happens anywhere (all scratch is the caller's MoeWorkspace). Without a side stream
 // the LoRA kernels run on M in the same order.
@@ -17,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 
 #include "backends/cuda/kernels/moe_align.cuh"
 #include "backends/cuda/kernels/moe_gemm.cuh"
@@ -43,6 +45,11 @@ struct MoeWorkspace {
   int32_t* tile_pairs = nullptr;  // [P + 64 * min(E, P)] each tile's pairs, padded to its rows
   bf16* act = nullptr;          // [P, I]
   float* y = nullptr;           // [P, H]
+  // W8A8 (MoeTuning::act_fp8): e4m3 copies of x and act with per-token 1x128 scales.
+  uint8_t* xq = nullptr;        // [max_tokens, H]
+  float* xs = nullptr;          // [max_tokens, ceil(H / 128)]
+  uint8_t* aq = nullptr;        // [P, I]
+  float* as = nullptr;          // [P, ceil(I / 128)]
   // LoRA (null when the workspace was carved without a MoeLoraShape)
   int32_t* l_sorted = nullptr;  // [P]
   MoeTile* l_tiles = nullptr;
@@ -91,13 +98,14 @@ struct MoeForwardArgs {
   const int32_t* token_slot = nullptr;  // [T]
   bf16* out = nullptr;                  // [T, ldo]
   int64_t ldo = 0;
-  // Knobs.
-  bool pdl = true;          // programmatic dependent launch between consecutive kernels
-  bool fuse_route = true;   // route inside moe_align when T is small (<= 8) and E <= 256
-  int tile_override = -1;   // >= 0: force a MoeGemmTile (tests), else moe_gemm_config
-  int stop_after = 0;       // workbench, base only: 1 = after routing+align, 2 = after gate_up, 3 = after down
-  bool lora_fused = false;  // LoRA halves as one moe_lora_fused launch each (else shrink + expand)
+  // Kernel choices: cuda_plan::choose_moe_tuning of the problem unless given (tests and the
+  // workbench force variants here).
+  std::optional<cuda_plan::MoeTuning> tuning;
+  bool allow_fp8_activations = false;  // the heuristic may pick W8A8 (cuda_plan::MoeProblem)
+  int stop_after = 0;  // workbench, base only: 1 = after routing+align, 2 = after gate_up, 3 = after down
 };
+// The choices moe_forward makes for `a` (its tuning, or the host heuristic's).
+cuda_plan::MoeTuning moe_tuning(const MoeForwardArgs& a);
 
 struct MoeStreams {
   cudaStream_t main = nullptr;

@@ -47,9 +47,11 @@ namespace {
 
 using namespace moe_detail;
 
-template <MoeWeightType WT_, int MT_, int NT_, int WM_, int WK_, int STAGES_, bool GATE_UP_>
+template <MoeWeightType WT_, int MT_, int NT_, int WM_, int WK_, int STAGES_, bool GATE_UP_, bool A8_ = false>
 struct Cfg {
   static constexpr bool kFp8 = WT_ == MoeWeightType::kFp8;
+  static constexpr bool kA8 = A8_;  // W8A8: e4m3 token rows + per-token scales, e4m3 MMA
+  static_assert(!A8_ || WT_ == MoeWeightType::kFp8, "W8A8 needs FP8 weights");
   static constexpr int MT = MT_, NT = NT_, WM = WM_, WK = WK_, STAGES = STAGES_;
   static constexpr bool kGateUp = GATE_UP_;
   static constexpr int kThreads = WM * WK * 32;
@@ -58,17 +60,23 @@ struct Cfg {
   static constexpr int kESize = kFp8 ? 1 : 2;      // weight bytes per element
   static constexpr int kWPieces = kFp8 ? 4 : 8;    // 16-byte pieces of a 64-wide weight row chunk
   static constexpr int kWRow = kFp8 ? 64 : 144;    // smem bytes per weight row (bf16: +16 pad)
-  static constexpr int kXRow = 144;                // smem bytes per token row (+16 pad)
-  static constexpr int kStage = kRows * kWRow + kBT * kXRow;
+  // Token rows: bf16 144 bytes (+16 pad); e4m3 64 bytes, unpadded like the FP8 weight rows (a
+  // quarter warp's 16-byte reads then cover 8 distinct bank quads).
+  static constexpr int kXRow = A8_ ? 64 : 144;
+  static constexpr int kXPieces = A8_ ? 4 : 8;     // 16-byte pieces of a 64-wide token row chunk
+  static constexpr int kXScale = A8_ ? kBT * 4 : 0;  // the tile's activation scales of the chunk's group
+  static constexpr int kStage = kRows * kWRow + kBT * kXRow + kXScale;
   static constexpr int kGroupThreads = WM * 32;
   static constexpr int kWPer = kRows * kWPieces / kGroupThreads;  // weight pieces per thread per chunk
-  static constexpr int kXPer = kBT * 8 / kGroupThreads;          // token pieces per thread per chunk
+  static constexpr int kXPer = kBT * kXPieces / kGroupThreads;   // token pieces per thread per chunk
   static constexpr int kRedStride = kRows + 4;                    // floats; conflict-free fragment stores
   static constexpr int kPipeBytes = WK * STAGES * kStage;
   static constexpr int kRedBytes = WK * kBT * kRedStride * 4;
   static constexpr int kSmem = kPipeBytes > kRedBytes ? kPipeBytes : kRedBytes;
-  static_assert(kRows * kWPieces % kGroupThreads == 0 && kBT * 8 % kGroupThreads == 0, "piece split");
+  static_assert(kRows * kWPieces % kGroupThreads == 0 && kBT * kXPieces % kGroupThreads == 0, "piece split");
   static_assert(kBT <= kThreads, "one thread per tile row fills the row tables");
+  static_assert(!A8_ || kBT <= kGroupThreads, "one thread of each K group copies a token's scale");
+  static_assert(kStage % 16 == 0, "16-byte aligned stages");
   static_assert(!GATE_UP_ || (WM * MT) % 2 == 0, "gate and up halves must be whole m16 tiles");
 };
 
@@ -175,14 +183,23 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
       wsrc[q] = wexp + wrow(n0, row) * w_row_bytes + pc * 16;
       wdst[q] = row * C::kWRow + pc * 16;
     }
-    const bf16* xsrc[C::kXPer];
+    const uint8_t* xsrc[C::kXPer];  // byte addresses of this thread's token pieces (chunk 0)
     int xdst[C::kXPer];
 #pragma unroll
     for (int q = 0; q < C::kXPer; ++q) {
-      const int qi = gtid + q * C::kGroupThreads, m = qi / 8, pc = qi % 8;
-      xsrc[q] = s_xrow[m] >= 0 ? p.x + static_cast<int64_t>(s_xrow[m]) * p.ldx + pc * 8 : nullptr;
+      const int qi = gtid + q * C::kGroupThreads, m = qi / C::kXPieces, pc = qi % C::kXPieces;
+      const int64_t row = s_xrow[m];
+      if constexpr (C::kA8)
+        xsrc[q] = row >= 0 ? p.xq + row * p.ldxq + pc * 16 : nullptr;
+      else
+        xsrc[q] = row >= 0 ? reinterpret_cast<const uint8_t*>(p.x + row * p.ldx) + pc * 16 : nullptr;
       xdst[q] = C::kRows * C::kWRow + m * C::kXRow + pc * 16;
     }
+    // W8A8: thread gtid < BT copies token gtid's scale of the chunk's 128-channel group.
+    const float* xs_src = nullptr;
+    if constexpr (C::kA8)
+      if (gtid < C::kBT && s_xrow[gtid] >= 0) xs_src = p.xs + static_cast<int64_t>(s_xrow[gtid]) * p.ldxs;
+    constexpr int kXScaleOff = C::kRows * C::kWRow + C::kBT * C::kXRow;
     // Scale rows of this warp's m16 tiles (a tile never straddles a 128-row block or gate/up).
     const float* sptr[C::MT];
 #pragma unroll
@@ -207,9 +224,14 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
       uint8_t* sb = ring + (i % C::STAGES) * C::kStage;
 #pragma unroll
       for (int q = 0; q < C::kWPer; ++q) cp_async16(sb + wdst[q], wsrc[q] + c * 64 * C::kESize, true);
+      constexpr int kXChunkBytes = C::kA8 ? 64 : 128;
+      const uint8_t* xbase = C::kA8 ? p.xq : reinterpret_cast<const uint8_t*>(p.x);
 #pragma unroll
       for (int q = 0; q < C::kXPer; ++q)
-        cp_async16(sb + xdst[q], xsrc[q] ? xsrc[q] + c * 64 : p.x, xsrc[q] != nullptr);
+        cp_async16(sb + xdst[q], xsrc[q] ? xsrc[q] + c * kXChunkBytes : xbase, xsrc[q] != nullptr);
+      if constexpr (C::kA8)
+        if (gtid < C::kBT)
+          cp_async4(sb + kXScaleOff + gtid * 4, xs_src ? xs_src + (c >> 1) : p.xs, xs_src != nullptr);
     };
 
 #pragma unroll
@@ -253,6 +275,30 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
         for (int nt = 0; nt < C::NT; ++nt)
 #pragma unroll
           for (int i2 = 0; i2 < 4; ++i2) part[mt][nt][i2] = 0.0f;
+      if constexpr (C::kA8) {
+        // k slots 4c..4c+3 of MMA step s hold real k 16c + 8s + 0..3 and slots 16 + 4c.. real
+        // 16c + 8s + 4..7, for the weights and the tokens alike: one 16-byte read per row.
+        const float* xsc = reinterpret_cast<const float*>(sb + kXScaleOff);
+#pragma unroll
+        for (int nt = 0; nt < C::NT; ++nt) {
+          const uint4 xa = *reinterpret_cast<const uint4*>(sb + C::kRows * C::kWRow + (nt * 8 + g) * C::kXRow + c4 * 16);
+          const uint32_t xw[4] = {xa.x, xa.y, xa.z, xa.w};
+#pragma unroll
+          for (int s = 0; s < 2; ++s)
+#pragma unroll
+            for (int mt = 0; mt < C::MT; ++mt)
+              mma_e4m3_16832(part[mt][nt], wg[mt][2 * s], wg8[mt][2 * s], wg[mt][2 * s + 1], wg8[mt][2 * s + 1],
+                             xw[2 * s], xw[2 * s + 1]);
+          const float s0 = xsc[nt * 8 + 2 * c4], s1 = xsc[nt * 8 + 2 * c4 + 1];
+#pragma unroll
+          for (int mt = 0; mt < C::MT; ++mt) {
+            acc[mt][nt][0] = fmaf(part[mt][nt][0], sc[mt] * s0, acc[mt][nt][0]);
+            acc[mt][nt][1] = fmaf(part[mt][nt][1], sc[mt] * s1, acc[mt][nt][1]);
+            acc[mt][nt][2] = fmaf(part[mt][nt][2], sc[mt] * s0, acc[mt][nt][2]);
+            acc[mt][nt][3] = fmaf(part[mt][nt][3], sc[mt] * s1, acc[mt][nt][3]);
+          }
+        }
+      } else {
 #pragma unroll
       for (int nt = 0; nt < C::NT; ++nt) {
         const uint8_t* xr = sb + C::kRows * C::kWRow + (nt * 8 + g) * C::kXRow + c4 * 32;
@@ -286,6 +332,7 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
 #pragma unroll
             for (int i2 = 0; i2 < 4; ++i2) acc[mt][nt][i2] = fmaf(part[mt][nt][i2], sc[mt], acc[mt][nt][i2]);
       }
+      }  // W8A16 / bf16
     }
     cp_async_wait<0>();
     __syncthreads();  // every group is done with its ring: reuse shared memory for the K reduction
@@ -336,16 +383,20 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
 }
 
 // ---- Variants. STAGES: enough 64-wide chunks in flight per SM to cover HBM latency (bf16 rows
-// are twice the bytes, so fewer stages).
-template <MoeWeightType W, MoeGemmTile T, bool GU>
+// are twice the bytes, so fewer stages). A8: the W8A8 twin of the FP8 variant (same tiling).
+template <MoeWeightType W, MoeGemmTile T, bool GU, bool A8>
 struct Variant;
 #define MOE_VARIANT(TILE, MT, NT, WM, WK, S8, S16)                                        \
   template <bool GU>                                                                    \
-  struct Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, GU> {                          \
+  struct Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, GU, false> {                   \
     using C = Cfg<MoeWeightType::kFp8, MT, NT, WM, WK, S8, GU>;                         \
   };                                                                                    \
   template <bool GU>                                                                    \
-  struct Variant<MoeWeightType::kBf16, MoeGemmTile::TILE, GU> {                         \
+  struct Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, GU, true> {                    \
+    using C = Cfg<MoeWeightType::kFp8, MT, NT, WM, WK, S8, GU, true>;                   \
+  };                                                                                    \
+  template <bool GU>                                                                    \
+  struct Variant<MoeWeightType::kBf16, MoeGemmTile::TILE, GU, false> {                  \
     using C = Cfg<MoeWeightType::kBf16, MT, NT, WM, WK, S16, GU>;                       \
   };
 // Decode: 4 stages (3 chunks ahead per warp) keep 4 CTAs of the 8-row tile on an SM, whose
@@ -389,20 +440,27 @@ void launch_variant(const MoeGemmParams& p, cudaStream_t stream) {
 
 template <bool GU>
 void dispatch(const MoeGemmParams& p, cudaStream_t stream) {
-  MOELORA_CHECK(p.H % 64 == 0 && p.I % 64 == 0 && p.E >= 1 && p.w && p.x && p.tile_pairs && p.tiles && p.counters);
-  MOELORA_CHECK(p.ldx % 8 == 0);  // 16-byte activation rows for cp.async
+  const bool f8 = p.wtype == MoeWeightType::kFp8;
+  const int K = GU ? p.H : p.I;
+  MOELORA_CHECK(p.H % 64 == 0 && p.I % 64 == 0 && p.E >= 1 && p.w && p.tile_pairs && p.tiles && p.counters);
+  MOELORA_CHECK(!p.act_fp8 || f8);  // W8A8 needs FP8 weights
+  if (p.act_fp8)  // 16-byte e4m3 rows for cp.async, one scale per 128-channel group
+    MOELORA_CHECK(p.xq && p.xs && p.ldxq % 16 == 0 && p.ldxq >= K && p.ldxs >= (K + 127) / 128);
+  else
+    MOELORA_CHECK(p.x && p.ldx % 8 == 0);  // 16-byte activation rows for cp.async
   MOELORA_CHECK(p.align_tile_rows == moe_gemm_tile_rows(p.tile));  // tile_pairs is [tiles, rows]
   MOELORA_CHECK(p.wtype == MoeWeightType::kBf16 || p.w_scale);
   MOELORA_CHECK(GU ? (p.act && p.top_k >= 1) : (p.y != nullptr));
   MOELORA_CHECK(!GU || !p.early_prefetch);
-  const bool f8 = p.wtype == MoeWeightType::kFp8;
   switch (p.tile) {
-#define MOE_CASE(TILE)                                                                      \
-  case MoeGemmTile::TILE:                                                                   \
-    if (f8)                                                                                 \
-      launch_variant<typename Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, GU>::C>(p, stream); \
-    else                                                                                    \
-      launch_variant<typename Variant<MoeWeightType::kBf16, MoeGemmTile::TILE, GU>::C>(p, stream); \
+#define MOE_CASE(TILE)                                                                             \
+  case MoeGemmTile::TILE:                                                                          \
+    if (f8 && p.act_fp8)                                                                           \
+      launch_variant<typename Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, GU, true>::C>(p, stream);  \
+    else if (f8)                                                                                   \
+      launch_variant<typename Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, GU, false>::C>(p, stream); \
+    else                                                                                           \
+      launch_variant<typename Variant<MoeWeightType::kBf16, MoeGemmTile::TILE, GU, false>::C>(p, stream); \
     break;
     MOE_CASE(kDecode8)
     MOE_CASE(kDecode16)
@@ -451,28 +509,6 @@ __global__ void __launch_bounds__(kReduceThreads) moe_reduce_kernel(const __grid
 
 }  // namespace
 
-int moe_gemm_tile_rows(MoeGemmTile t) {
-  switch (t) {
-    case MoeGemmTile::kDecode8: return 8;
-    case MoeGemmTile::kDecode16: return 16;
-    case MoeGemmTile::kDecode32: return 32;
-    case MoeGemmTile::kPrefill64: return 64;
-  }
-  return 8;
-}
-
-// Thresholds from the H200 tile sweep (bench/RESULTS.md, Qwen3-30B-A3B shapes, 8 of 128 experts):
-// 8-row tiles win up to 4 tokens per expert (T <= 64), 16-row tiles at 8 and 16 (T = 128, 256: 16
-// beat 32 by 7 % at T = 256 although most experts then need two tiles: the second read hits L2
-// and 3 CTAs fit an SM instead of 2). Above that the 32- and 64-row tiles amortise the dequant.
-MoeGemmTile moe_gemm_config(int T, int k, int E, int H, int I) {
-  const double per_expert = static_cast<double>(T) * k / std::max(E, 1);
-  if (per_expert <= 5.0) return MoeGemmTile::kDecode8;
-  if (per_expert <= 24.0) return MoeGemmTile::kDecode16;
-  if (per_expert <= 40.0 || I % 64 != 0 || H % 128 != 0) return MoeGemmTile::kDecode32;
-  return MoeGemmTile::kPrefill64;
-}
-
 void moe_gate_up(const MoeGemmParams& p, cudaStream_t stream) { dispatch<true>(p, stream); }
 void moe_down(const MoeGemmParams& p, cudaStream_t stream) { dispatch<false>(p, stream); }
 
@@ -486,11 +522,13 @@ void moe_reduce(const MoeReduceParams& p, cudaStream_t stream) {
 }
 
 static void init_all_variants() {
-#define MOE_INIT(TILE)                                                      \
-  kernel_info<Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, true>::C>();  \
-  kernel_info<Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, false>::C>(); \
-  kernel_info<Variant<MoeWeightType::kBf16, MoeGemmTile::TILE, true>::C>(); \
-  kernel_info<Variant<MoeWeightType::kBf16, MoeGemmTile::TILE, false>::C>();
+#define MOE_INIT(TILE)                                                             \
+  kernel_info<Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, true, false>::C>();  \
+  kernel_info<Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, false, false>::C>(); \
+  kernel_info<Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, true, true>::C>();   \
+  kernel_info<Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, false, true>::C>();  \
+  kernel_info<Variant<MoeWeightType::kBf16, MoeGemmTile::TILE, true, false>::C>(); \
+  kernel_info<Variant<MoeWeightType::kBf16, MoeGemmTile::TILE, false, false>::C>();
   MOE_INIT(kDecode8)
   MOE_INIT(kDecode16)
   MOE_INIT(kDecode32)

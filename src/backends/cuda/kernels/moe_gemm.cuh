@@ -2,10 +2,14 @@
 //   moe_gate_up: act[p] = silu(g) * u,  (g | u) = x[p / k] Wgu[e]^T (+ lora_delta[p])   [P, I] bf16
 //   moe_down:    y[p]   = act[p] Wd[e]^T                                               [P, H] f32
 //   moe_reduce:  out[t] = sum_j w[t,j] (y[t*k+j] + lora_down_delta[t*k+j])              [T, H] bf16
-// Weights are FP8 e4m3 with 128x128 block scales (or bf16). FP8 is dequantised exactly in
-// registers to bf16 and multiplied on the tensor cores (mma.sync m16n8k16, f32 accumulation);
-// the block scale is applied in f32 per 64-wide K chunk, so the only rounding besides f32
-// accumulation is the bf16 storage of act (W8A16: activations are never quantised).
+// Weights are FP8 e4m3 with 128x128 block scales (or bf16). Two FP8 regimes (chosen on the host,
+// cuda_plan::choose_moe_tuning; docs/numerics.md):
+//  - W8A16: FP8 is dequantised exactly in registers to bf16 and multiplied on the tensor cores
+//    (mma.sync m16n8k16, f32 accumulation) with unquantised bf16 activations;
+//  - W8A8 (act_fp8): activations quantised per token per 128 channels to e4m3 beforehand, e4m3 x
+//    e4m3 on the tensor cores (mma.sync m16n8k32): no dequantisation, half the MMAs.
+// Either way the block scales (and the activation scales) multiply the f32 partial sum of each
+// 64-wide K chunk; the only other rounding is the bf16 storage of act.
 //
 // Layouts (as packed by the CUDA backend's upload_experts):
 //   gate_up w [E * 2I, H], expert e rows [e*2I, e*2I + I) gate, [e*2I + I, (e+1)*2I) up;
@@ -20,23 +24,16 @@
 #include <cstdint>
 
 #include "backends/cuda/kernels/moe_common.cuh"
+#include "backends/cuda_plan/moe_choices.h"
 
 namespace moelora::cuda {
 
 enum class MoeWeightType : int32_t { kFp8 = 0, kBf16 = 1 };
 
-// Tile shape of one GEMM launch. Picked on the host from the batch shape (moe_gemm_config) and
-// handed to moe_align as its tile_rows, so the routing tiles and the GEMM agree.
-enum class MoeGemmTile : int32_t {
-  kDecode8 = 0,    // 8-token tiles, 4 warps split K: few tokens per expert, memory-bound
-  kDecode16 = 1,   // 16-token tiles
-  kDecode32 = 2,   // 32-token tiles
-  kPrefill64 = 3,  // 64-token tiles, 4 warps split the weight rows and share the token tile
-};
-int moe_gemm_tile_rows(MoeGemmTile t);
-// Tile for a batch of T tokens routed to k of E experts (expected tokens per expert T*k/E).
-// `H`, `I` restrict the prefill tile to shapes it divides.
-MoeGemmTile moe_gemm_config(int T, int k, int E, int H, int I);
+// Tile shape of one GEMM launch: chosen on the host (cuda_plan::choose_moe_tuning) and handed
+// to moe_align as its tile_rows, so the routing tiles and the GEMM agree.
+using cuda_plan::MoeGemmTile;
+using cuda_plan::moe_gemm_tile_rows;
 
 struct MoeGemmParams {
   MoeWeightType wtype = MoeWeightType::kFp8;
@@ -46,6 +43,14 @@ struct MoeGemmParams {
   const float* w_scale = nullptr;   // FP8 only
   const bf16* x = nullptr;          // gate_up: hidden [T, H] (row p / top_k); down: act [P, I] (row p)
   int64_t ldx = 0;                  // elements
+  // W8A8 (FP8 weights only): the same rows quantised per token per 128 channels
+  // (launch_fp8_quant_per_token, token-major scales); the kernel then multiplies e4m3 x e4m3 and
+  // reads neither x nor ldx.
+  bool act_fp8 = false;
+  const uint8_t* xq = nullptr;      // [rows, ldxq] e4m3
+  int64_t ldxq = 0;                 // bytes
+  const float* xs = nullptr;        // [rows, ldxs] scales
+  int64_t ldxs = 0;
   // Routing (moe_align outputs).
   const int32_t* tile_pairs = nullptr;  // [tiles, tile_rows] pair per tile row, -1 = padding
   int align_tile_rows = 0;              // moe_align's tile_rows: must equal moe_gemm_tile_rows(tile)

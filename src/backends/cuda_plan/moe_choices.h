@@ -1,0 +1,43 @@
+// Per-shape choices of the CUDA MoE kernels, made on the host from the problem alone (no GPU
+// needed: tests/cuda_plan checks them on the CPU). The kernels take what is chosen here through
+// their params structs; no kernel file picks a variant by itself. Every threshold cites the
+// measurement it comes from (bench/RESULTS.md).
+#pragma once
+
+#include <cstdint>
+
+namespace moelora::cuda_plan {
+
+// Token-tile shape of one grouped-GEMM launch; moe_align builds its tiles with the same rows.
+enum class MoeGemmTile : int32_t {
+  kDecode8 = 0,    // 8-token tiles, 4 warps split K: few tokens per expert, memory-bound
+  kDecode16 = 1,   // 16-token tiles
+  kDecode32 = 2,   // 32-token tiles
+  kPrefill64 = 3,  // 64-token tiles, 4 warps split the weight rows and share the token tile
+};
+constexpr int kNumMoeGemmTiles = 4;
+int moe_gemm_tile_rows(MoeGemmTile t);
+
+// One routed-MoE layer call: T tokens routed to k of E experts, hidden H, expert intermediate I.
+struct MoeProblem {
+  int T = 0, k = 0, E = 0, H = 0, I = 0;
+  bool has_logits = true;  // routing runs in the layer (else ids/weights are given)
+  // The operator allows W8A8 for FP8 experts (--moe-fp8-activations); off: W8A16 everywhere.
+  bool allow_fp8_activations = false;
+};
+
+struct MoeTuning {
+  MoeGemmTile tile = MoeGemmTile::kDecode8;
+  bool fuse_route = true;   // route inside moe_align (one launch less)
+  bool lora_fused = false;  // each LoRA half as one shrink+expand launch
+  bool pdl = true;          // programmatic dependent launch between consecutive kernels
+  // FP8 experts only: W8A8 (activations quantised per token per 128 channels, e4m3 MMA) instead
+  // of W8A16 (exact bf16 activations, weights dequantised in registers). docs/numerics.md.
+  bool act_fp8 = false;
+};
+
+// Tile for a batch of T tokens routed to k of E experts (expected tokens per expert T*k/E).
+MoeGemmTile choose_moe_gemm_tile(int T, int k, int E, int H, int I);
+MoeTuning choose_moe_tuning(const MoeProblem& p);
+
+}  // namespace moelora::cuda_plan

@@ -1,0 +1,141 @@
+#include "backends/cuda_plan/shape_limits.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+namespace moelora::cuda_plan {
+
+namespace {
+
+std::string head_dims_list() {
+  std::vector<std::string> parts;
+  for (const HeadDims& d : kAttentionHeadDims) parts.push_back(fmt::format("({}, {})", d.k, d.v));
+  return fmt::format("{{{}}}", fmt::join(parts, ", "));
+}
+
+// moe_align.cu align_smem_bytes with LoRA grouping: 4 int arrays over the S*E+1 buckets plus 3
+// over the slots.
+size_t moe_align_lora_smem(int slots, int num_experts) {
+  const size_t buckets = static_cast<size_t>(slots) * num_experts + 1;
+  return sizeof(int) * (4 * buckets + 3 * static_cast<size_t>(slots));
+}
+
+bool moe_lora_slots_fit(int slots, int num_experts) {
+  return static_cast<long long>(slots) * num_experts + 1 <= kMoeMaxLoraBuckets &&
+         moe_align_lora_smem(slots, num_experts) <= kMoeAlignMaxSmem;
+}
+
+}  // namespace
+
+bool attention_head_dims_supported(int k_head_dim, int v_head_dim) {
+  return std::any_of(kAttentionHeadDims.begin(), kAttentionHeadDims.end(),
+                     [&](const HeadDims& d) { return d.k == k_head_dim && d.v == v_head_dim; });
+}
+
+int moe_lora_max_slots(int num_experts) {
+  if (num_experts < 1) return 0;
+  int slots = (kMoeMaxLoraBuckets - 1) / num_experts;  // the bucket bound; smem may bind first
+  while (slots > 0 && !moe_lora_slots_fit(slots, num_experts)) --slots;
+  return slots;
+}
+
+std::vector<std::string> shape_limit_violations(const ModelShapes& s) {
+  std::vector<std::string> v;
+
+  // Attention. kernels/attention.cu: dispatch instantiates one kernel pair per (k, v) head dims
+  // (check_params: attention_head_dims_supported; cuda_backend_ops.cu asserts it again before the
+  // launch), and maps query head h to kv head h / (heads / kv_heads) (check_params).
+  if (!attention_head_dims_supported(s.k_head_dim, s.v_head_dim))
+    v.push_back(fmt::format("attention: head dims k={}, v={} are not supported by the CUDA attention kernels "
+                            "(built for (k, v) in {})",
+                            s.k_head_dim, s.v_head_dim, head_dims_list()));
+  if (s.kv_heads < 1 || s.heads % s.kv_heads != 0)
+    v.push_back(fmt::format("attention: {} query heads are not a whole multiple of {} kv heads (the kernels share "
+                            "each kv head among heads / kv_heads query heads)",
+                            s.heads, s.kv_heads));
+
+  // Rotary embedding. kernels/elementwise.cu launch_rope: rotated dims come in pairs and must lie
+  // inside the head.
+  if (s.rope_dim % 2 != 0 || s.rope_dim < 0 || s.rope_offset < 0 || s.rope_offset + s.rope_dim > s.k_head_dim)
+    v.push_back(fmt::format("rope: {} rotary dims at offset {} must be even and fit in the {}-dim head", s.rope_dim,
+                            s.rope_offset, s.k_head_dim));
+
+  if (s.num_experts > 0) {
+    // kernels/moe_gemm.cu dispatch: both grouped GEMMs stream K (H for gate_up, I for down) in
+    // 64-wide chunks and tile the output rows in multiples of the same width.
+    if (s.hidden % kMoeKChunk != 0)
+      v.push_back(fmt::format("MoE experts: hidden_size {} is not a multiple of {} (the CUDA expert GEMMs stream "
+                              "{}-wide chunks of it)",
+                              s.hidden, kMoeKChunk, kMoeKChunk));
+    if (s.moe_intermediate % kMoeKChunk != 0)
+      v.push_back(fmt::format("MoE experts: the expert intermediate size {} is not a multiple of {} (the CUDA "
+                              "expert GEMMs stream {}-wide chunks of it)",
+                              s.moe_intermediate, kMoeKChunk, kMoeKChunk));
+    // kernels/router.cu router_topk: one warp routes a token, E / 32 experts per lane in
+    // registers (E <= 1024), lane j keeps choice j (k <= 32), lane g scores group g (<= 32).
+    if (s.num_experts > kRouterMaxExperts)
+      v.push_back(fmt::format("router: {} routed experts, the CUDA router takes at most {}", s.num_experts,
+                              kRouterMaxExperts));
+    if (s.top_k < 1 || s.top_k > kRouterMaxTopK || s.top_k > s.num_experts)
+      v.push_back(fmt::format("router: {} experts per token, the CUDA router takes 1..{} (and at most the {} "
+                              "experts)",
+                              s.top_k, kRouterMaxTopK, s.num_experts));
+    if (s.grouped_router && (s.n_group < 1 || s.n_group > kRouterMaxGroups || s.num_experts % s.n_group != 0 ||
+                             s.topk_group < 1 || s.topk_group > s.n_group))
+      v.push_back(fmt::format("router: group-limited routing with n_group {} and topk_group {} over {} experts, "
+                              "the CUDA router takes 1..{} equal groups and 1 <= topk_group <= n_group",
+                              s.n_group, s.topk_group, s.num_experts, kRouterMaxGroups));
+    // kernels/moe_align.cu moe_align: one CTA counting-sorts the pairs into (slot, expert)
+    // groups in shared memory (num_slots * E + 1 <= kMoeMaxLoraBuckets, and the smem bound).
+    if (s.lora_slots > 0 && !moe_lora_slots_fit(s.lora_slots, s.num_experts))
+      v.push_back(fmt::format("MoE LoRA: {} adapter slots x {} experts are more (slot, expert) groups than the CUDA "
+                              "MoE alignment sorts in one block (at most {} slots with {} experts)",
+                              s.lora_slots, s.num_experts, moe_lora_max_slots(s.num_experts), s.num_experts));
+  }
+
+  // FP8 weights. kernels/dense_gemm.cu to_params: dense projections need 128-wide column blocks
+  // (block_in); kernels/moe_gemm.cu computes expert scale rows and columns as index / 128 (no
+  // check there: other blocks would read the wrong scales silently).
+  if (s.fp8) {
+    const bool dense_ok = s.fp8_block_in == kFp8Block;
+    const bool experts_ok = s.num_experts == 0 || (s.fp8_block_out == kFp8Block && s.fp8_block_in == kFp8Block);
+    if (!dense_ok || !experts_ok)
+      v.push_back(fmt::format("FP8: weight_block_size [{}, {}] is not supported, the CUDA kernels take [{}, {}] "
+                              "(dense projections need {}-wide column blocks, the expert GEMMs {} x {} blocks)",
+                              s.fp8_block_out, s.fp8_block_in, s.num_experts > 0 ? "128" : "any", kFp8Block,
+                              kFp8Block, kFp8Block, kFp8Block));
+  }
+
+  // kernels/sampling.cu launch_sample: ties are broken by a radix selection over 3 bytes of the
+  // token id.
+  if (s.vocab >= kSamplingVocabLimit)
+    v.push_back(fmt::format("sampling: vocab_size {} is not below 2^24 = {} (the CUDA sampler selects token ids "
+                            "in 3 bytes)",
+                            s.vocab, kSamplingVocabLimit));
+
+  // kernels/lora_dense.cu lora_plan: the dense LoRA shrink reads the input in 32-wide runs. Every
+  // target gets pointer tables at start-up, so an adapter on it could reach the kernel.
+  for (const ModelShapes::LoraInput& in : s.lora_inputs)
+    if (in.in % kLoraInMultiple != 0)
+      v.push_back(fmt::format("LoRA: {} has input width {}, not a multiple of {} (the CUDA LoRA shrink reads {}-wide "
+                              "runs)",
+                              in.name, in.in, kLoraInMultiple, kLoraInMultiple));
+
+  // kernels/lora_dense.cu lora_plan and CudaBackend::set_lora_slot (dense), moe_forward.cu /
+  // moe_lora.cu (experts): the shrink keeps rank-r partial sums of at most 128 in registers and
+  // shared memory.
+  if (s.max_lora_rank > kMaxLoraRank)
+    v.push_back(fmt::format("LoRA: adapters of rank up to {} requested, the CUDA LoRA kernels take ranks up to {}",
+                            s.max_lora_rank, kMaxLoraRank));
+  return v;
+}
+
+Status check_shape_limits(const ModelShapes& s) {
+  const std::vector<std::string> v = shape_limit_violations(s);
+  if (v.empty()) return {};
+  return unsupported("the CUDA kernels cannot run this {}model: {}", s.arch.empty() ? "" : s.arch + " ",
+                     fmt::join(v, "; "));
+}
+
+}  // namespace moelora::cuda_plan

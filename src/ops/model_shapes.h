@@ -1,0 +1,50 @@
+// The shapes of a model (and of the adapters it will serve) that decide whether a backend's
+// kernels can run it, as plain numbers. Backend::check_model_shapes reads them before any weight
+// is loaded, so a model a kernel cannot take is refused with a message instead of aborting in
+// the middle of a forward pass. src/model builds them from a ModelConfig (model_shapes()); they
+// live here, below the backends, so that the dependency stays one-way (ops <- backends <- model).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace moelora {
+
+struct ModelShapes {
+  std::string arch;  // for messages ("qwen3_moe", ...)
+  int hidden = 0;
+  int vocab = 0;
+  // Attention as the KV cache holds it (MLA: the decompressed per-head K and V).
+  int heads = 0;
+  int kv_heads = 0;
+  int k_head_dim = 0;
+  int v_head_dim = 0;
+  // Rotary embedding: rope_dim dims rotated at rope_offset inside each query head of k_head_dim
+  // (MLA: after the qk_nope dims).
+  int rope_dim = 0;
+  int rope_offset = 0;
+  // Routed experts (num_experts 0: the model has no MoE layer).
+  int num_experts = 0;
+  int top_k = 0;
+  int moe_intermediate = 0;
+  bool grouped_router = false;  // DeepSeek-V3: sigmoid, group-limited top-k
+  int n_group = 1;
+  int topk_group = 1;
+  // FP8 block quantisation declared by the checkpoint (weight_block_size = [out, in]).
+  bool fp8 = false;
+  int fp8_block_out = 128;
+  int fp8_block_in = 128;
+  // Every dense projection an adapter may target (each name once per distinct width) and its
+  // input width: the K of the LoRA shrink.
+  struct LoraInput {
+    std::string name;
+    int in = 0;
+  };
+  std::vector<LoraInput> lora_inputs;
+  // Adapter capacity: slots on the backend and the largest rank that will be placed in one.
+  // 0 = not known yet (model load); Engine::create checks again with its options.
+  int lora_slots = 0;
+  int max_lora_rank = 0;
+};
+
+}  // namespace moelora

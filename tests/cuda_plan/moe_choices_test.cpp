@@ -1,0 +1,73 @@
+// The MoE kernel choices: the tile follows the expected tokens per expert as the H200 sweep
+// measured (bench/RESULTS.md), shapes a tile cannot take never get it, and the route fusion
+// stays within what moe_align's fused router handles.
+#include <gtest/gtest.h>
+
+#include "backends/cuda_plan/moe_choices.h"
+
+namespace moelora::cuda_plan {
+namespace {
+
+TEST(MoeChoices, TileFollowsTokensPerExpertAtQwen3Shapes) {
+  // Qwen3-30B-A3B: 8 of 128 experts, H 2048, I 768.
+  auto tile = [](int T) { return choose_moe_gemm_tile(T, 8, 128, 2048, 768); };
+  EXPECT_EQ(tile(1), MoeGemmTile::kDecode8);
+  EXPECT_EQ(tile(64), MoeGemmTile::kDecode8);     // 4 tokens per expert
+  EXPECT_EQ(tile(128), MoeGemmTile::kDecode16);   // 8
+  EXPECT_EQ(tile(256), MoeGemmTile::kDecode16);   // 16
+  EXPECT_EQ(tile(512), MoeGemmTile::kDecode32);   // 32
+  EXPECT_EQ(tile(8192), MoeGemmTile::kPrefill64);
+}
+
+TEST(MoeChoices, ThePrefillTileNeedsShapesItDivides) {
+  EXPECT_EQ(choose_moe_gemm_tile(8192, 8, 128, 2048, 768), MoeGemmTile::kPrefill64);
+  EXPECT_EQ(choose_moe_gemm_tile(8192, 8, 128, 2048 + 64, 768), MoeGemmTile::kDecode32);  // H % 128
+  EXPECT_EQ(choose_moe_gemm_tile(8192, 8, 128, 2048, 768 + 32), MoeGemmTile::kDecode32);  // I % 64
+}
+
+TEST(MoeChoices, TileRowsMatchTheirNames) {
+  EXPECT_EQ(moe_gemm_tile_rows(MoeGemmTile::kDecode8), 8);
+  EXPECT_EQ(moe_gemm_tile_rows(MoeGemmTile::kDecode16), 16);
+  EXPECT_EQ(moe_gemm_tile_rows(MoeGemmTile::kDecode32), 32);
+  EXPECT_EQ(moe_gemm_tile_rows(MoeGemmTile::kPrefill64), 64);
+}
+
+TEST(MoeChoices, RoutingIsFusedOnlyForSmallBatchesItCanRoute) {
+  MoeProblem p{.T = 4, .k = 8, .E = 128, .H = 2048, .I = 768};
+  EXPECT_TRUE(choose_moe_tuning(p).fuse_route);
+  p.T = 64;
+  EXPECT_FALSE(choose_moe_tuning(p).fuse_route);
+  p.T = 4;
+  p.E = 384;  // more experts than moe_align's fused router takes
+  EXPECT_FALSE(choose_moe_tuning(p).fuse_route);
+  p.E = 128;
+  p.has_logits = false;  // ids given: nothing to route
+  EXPECT_FALSE(choose_moe_tuning(p).fuse_route);
+}
+
+TEST(MoeChoices, DefaultsAreTheMeasuredFastestPaths) {
+  const MoeTuning t = choose_moe_tuning(MoeProblem{.T = 64, .k = 8, .E = 128, .H = 2048, .I = 768});
+  EXPECT_TRUE(t.pdl);
+  EXPECT_FALSE(t.lora_fused);
+}
+
+TEST(MoeChoices, Fp8ActivationsOnlyWhenAllowedAndOnlyWhereTheyWereFaster) {
+  MoeProblem p{.T = 256, .k = 8, .E = 128, .H = 2048, .I = 768};
+  EXPECT_FALSE(choose_moe_tuning(p).act_fp8);  // exact activations unless the operator opts in
+  p.allow_fp8_activations = true;
+  for (int T : {32, 64, 128, 256}) {  // W8A8 on the 16-row tile won at each of these
+    p.T = T;
+    const MoeTuning t = choose_moe_tuning(p);
+    EXPECT_TRUE(t.act_fp8) << T;
+    EXPECT_EQ(t.tile, MoeGemmTile::kDecode16) << T;
+  }
+  p.T = 8;  // under 1.5 tokens per expert: bound by bytes, nothing measured to gain
+  EXPECT_FALSE(choose_moe_tuning(p).act_fp8);
+  EXPECT_EQ(choose_moe_tuning(p).tile, MoeGemmTile::kDecode8);
+  p.T = 8192;  // measured slower on the prefill tile
+  EXPECT_EQ(choose_moe_tuning(p).tile, MoeGemmTile::kPrefill64);
+  EXPECT_FALSE(choose_moe_tuning(p).act_fp8);
+}
+
+}  // namespace
+}  // namespace moelora::cuda_plan

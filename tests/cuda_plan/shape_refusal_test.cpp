@@ -1,0 +1,211 @@
+// The refusal reaches the caller as a Status, before any weight is read: Model::load,
+// Model::random and Engine::create on a CPU backend that enforces the CUDA kernels' limits
+// exactly as CudaBackend does (cuda_plan::check_shape_limits and its rank cap), so no GPU is needed.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "backends/cpu/cpu_backend.h"
+#include "backends/cuda_plan/shape_limits.h"
+#include "lora/random_adapter.h"
+#include "model/model.h"
+#include "runtime/engine.h"
+#include "tests/testutil/test_files.h"
+
+namespace moelora {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The CPU backend's ops behind the CUDA backend's start-up checks (CpuBackend is final, so this
+// forwards instead of deriving). `rank_cap` stands for the kernels' rank ceiling.
+class CudaLimitsBackend final : public Backend {
+ public:
+  explicit CudaLimitsBackend(int rank_cap = cuda_plan::kMaxLoraRank) : rank_cap_(rank_cap) {}
+  mutable int checks = 0;  // calls to check_model_shapes
+
+  Status check_model_shapes(const ModelShapes& s) const override {
+    ++checks;
+    return cuda_plan::check_shape_limits(s);
+  }
+  int max_lora_rank() const override { return rank_cap_; }
+
+  std::string name() const override { return "cuda-limits"; }
+  Device device() const override { return cpu_.device(); }
+  DType act_dtype() const override { return cpu_.act_dtype(); }
+  Tensor upload(const Tensor& host, DType dtype) override { return cpu_.upload(host, dtype); }
+  LinearWeight upload_linear(const Tensor& w, const Tensor& s, int bo, int bi) override {
+    return cpu_.upload_linear(w, s, bo, bi);
+  }
+  ExpertWeights upload_experts(const std::vector<Tensor>& g, const std::vector<Tensor>& gs, const std::vector<Tensor>& u,
+                               const std::vector<Tensor>& us, const std::vector<Tensor>& d,
+                               const std::vector<Tensor>& ds, int bo, int bi) override {
+    return cpu_.upload_experts(g, gs, u, us, d, ds, bo, bi);
+  }
+  Tensor random_tensor(DType dt, const std::vector<int64_t>& shape, uint64_t seed, float scale) override {
+    return cpu_.random_tensor(dt, shape, seed, scale);
+  }
+  KvLayer alloc_kv_layer(int pages, int page_size, int kv_heads, int kd, int vd) override {
+    return cpu_.alloc_kv_layer(pages, page_size, kv_heads, kd, vd);
+  }
+  DType lora_dtype() const override { return cpu_.lora_dtype(); }
+  LoraModuleTable alloc_lora_table(int slots, int in, int out) override { return cpu_.alloc_lora_table(slots, in, out); }
+  MoeLoraTable alloc_moe_lora_table(int slots, int e, int h, int i) override {
+    return cpu_.alloc_moe_lora_table(slots, e, h, i);
+  }
+  void set_lora_slot(LoraModuleTable& t, int slot, const Tensor& a, const Tensor& b, int rank) override {
+    cpu_.set_lora_slot(t, slot, a, b, rank);
+  }
+  void set_moe_lora_slot(MoeLoraTable& t, int slot, const MoeLoraSlot& s) override { cpu_.set_moe_lora_slot(t, slot, s); }
+  const StepBatch& begin_step(const StepBatch& b) override { return cpu_.begin_step(b); }
+  Tensor alloc(int64_t rows, int64_t cols, DType dt) override { return cpu_.alloc(rows, cols, dt); }
+  Tensor alloc_act(int64_t rows, int64_t cols) override { return cpu_.alloc_act(rows, cols); }
+  size_t scratch_mark() override { return cpu_.scratch_mark(); }
+  void scratch_release(size_t mark) override { cpu_.scratch_release(mark); }
+  void embed(const Tensor& table, Tensor out) override { cpu_.embed(table, out); }
+  void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor out) override { cpu_.rmsnorm(x, w, eps, out); }
+  void linear(const Tensor& x, const LinearWeight& w, const LoraModuleTable* l, Tensor out) override {
+    cpu_.linear(x, w, l, out);
+  }
+  void rope(Tensor x, int heads, int stride, int off, const RopeTable& r) override { cpu_.rope(x, heads, stride, off, r); }
+  void attention(const Tensor& q, const Tensor& k, const Tensor& v, KvLayer& kv, int heads, float scale,
+                 Tensor out) override {
+    cpu_.attention(q, k, v, kv, heads, scale, out);
+  }
+  void silu_mul(const Tensor& g, const Tensor& u, Tensor out) override { cpu_.silu_mul(g, u, out); }
+  void add(const Tensor& x, Tensor inout) override { cpu_.add(x, inout); }
+  void router_logits(const Tensor& x, const LinearWeight& g, Tensor out) override { cpu_.router_logits(x, g, out); }
+  void topk_softmax(const Tensor& l, int k, bool renorm, Tensor ids, Tensor w) override {
+    cpu_.topk_softmax(l, k, renorm, ids, w);
+  }
+  void topk_sigmoid_grouped(const Tensor& l, const Tensor& bias, int k, int ng, int tg, bool renorm, float scaling,
+                            Tensor ids, Tensor w) override {
+    cpu_.topk_sigmoid_grouped(l, bias, k, ng, tg, renorm, scaling, ids, w);
+  }
+  void moe(const Tensor& x, const Tensor& ids, const Tensor& w, const ExpertWeights& e, const MoeLoraTable* l,
+           Tensor out) override {
+    cpu_.moe(x, ids, w, e, l, out);
+  }
+  void gather_logit_rows(const Tensor& x, Tensor out) override { cpu_.gather_logit_rows(x, out); }
+  void mla_split_kv(const Tensor& kv, const Tensor& kpe, int heads, int nope, int vd, Tensor k, Tensor v) override {
+    cpu_.mla_split_kv(kv, kpe, heads, nope, vd, k, v);
+  }
+  Tensor to_host_f32(const Tensor& t) override { return cpu_.to_host_f32(t); }
+  std::vector<SampleOutput> sample(const Tensor& logits, const std::vector<SampleRow>& rows) override {
+    return cpu_.sample(logits, rows);
+  }
+
+ private:
+  CpuBackend cpu_;
+  int rank_cap_;
+};
+
+const fs::path kTiny = fs::path(MOELORA_SOURCE_DIR) / "models" / "tiny-qwen3moe";
+
+nlohmann::json tiny_config() {
+  std::ifstream f(kTiny / "config.json");
+  return nlohmann::json::parse(f);
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+TEST(ShapeRefusal, ModelLoadRefusesBeforeReadingAnyWeight) {
+  // A folder with only a config.json: if the check did not come first, the error would be the
+  // missing checkpoint.
+  testutil::TempDir dir;
+  nlohmann::json j = tiny_config();
+  j["head_dim"] = 40;  // (40, 40): no attention kernel
+  testutil::write_file(dir.sub("config.json"), j.dump());
+  CudaLimitsBackend cuda_like;
+  auto refused = Model::load(dir.str(), cuda_like);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), ErrorCode::kUnsupported);
+  const std::string msg = refused.status().message();
+  EXPECT_TRUE(contains(msg, dir.str())) << msg;
+  EXPECT_TRUE(contains(msg, "head dims k=40, v=40")) << msg;
+  EXPECT_TRUE(contains(msg, "(192, 128)")) << msg;
+  // The CPU reference takes the shapes: it gets as far as the (missing) checkpoint.
+  CpuBackend cpu;
+  auto on_cpu = Model::load(dir.str(), cpu);
+  ASSERT_FALSE(on_cpu.ok());
+  EXPECT_FALSE(contains(on_cpu.status().message(), "head dims")) << on_cpu.status().message();
+}
+
+TEST(ShapeRefusal, AModelTheKernelsTakeLoadsAndRuns) {
+  CudaLimitsBackend cuda_like;
+  auto model = Model::load(kTiny.string(), cuda_like);
+  ASSERT_TRUE(model.ok()) << model.status().to_string();
+  EXPECT_EQ(cuda_like.checks, 1);
+}
+
+TEST(ShapeRefusal, RandomWeightsAreRefusedLikeACheckpoint) {
+  nlohmann::json j = tiny_config();
+  j["moe_intermediate_size"] = 200;
+  auto cfg = parse_model_config(j.dump(), "edited config.json");
+  ASSERT_TRUE(cfg.ok()) << cfg.status().to_string();
+  CudaLimitsBackend cuda_like;
+  auto refused = Model::random(*cfg, cuda_like, 7);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(contains(refused.status().message(), "intermediate size 200")) << refused.status().message();
+  CpuBackend cpu;
+  EXPECT_TRUE(Model::random(*cfg, cpu, 7).ok());
+}
+
+TEST(ShapeRefusal, TheEngineRefusesMoreAdapterSlotsThanTheMoeAlignmentSorts) {
+  auto backend = std::make_unique<CudaLimitsBackend>();
+  auto model = Model::load(kTiny.string(), *backend);
+  ASSERT_TRUE(model.ok()) << model.status().to_string();
+  EngineOptions o;
+  o.max_model_len = 64;
+  o.max_loras_per_batch = cuda_plan::moe_lora_max_slots(8) + 1;  // the tiny model has 8 experts
+  o.max_loaded_loras = o.max_loras_per_batch;
+  auto engine = Engine::create(std::move(backend), std::move(model).value(), o);
+  ASSERT_FALSE(engine.ok());
+  const std::string msg = engine.status().message();
+  EXPECT_TRUE(contains(msg, "max_loras_per_batch 1463")) << msg;
+  EXPECT_TRUE(contains(msg, "at most 1462 slots")) << msg;
+}
+
+TEST(ShapeRefusal, TheEngineLowersItsRankCeilingToTheKernelsAndRefusesAdaptersAboveIt) {
+  auto backend = std::make_unique<CudaLimitsBackend>(/*rank_cap=*/8);
+  auto model = Model::load(kTiny.string(), *backend);
+  ASSERT_TRUE(model.ok()) << model.status().to_string();
+  const ModelConfig cfg = (*model)->config();
+  EngineOptions o;  // max_lora_rank 256 by default
+  o.max_model_len = 64;
+  o.max_loras_per_batch = 2;
+  o.max_loaded_loras = 4;
+  ASSERT_GT(o.max_lora_rank, 8);
+  auto engine = Engine::create(std::move(backend), std::move(model).value(), o);
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  Engine& e = **engine;
+  EXPECT_EQ(e.options().max_lora_rank, 8);
+  EXPECT_TRUE(e.load_adapter("r8", (kTiny / "adapters" / "attn-r8").string()).ok());
+  const Status r16 = e.load_adapter("r16", (kTiny / "adapters" / "full-r16").string());
+  EXPECT_FALSE(r16.ok());
+  EXPECT_TRUE(contains(r16.message(), "rank 16")) << r16.message();
+  // In-memory adapters meet the same ceiling.
+  const Status rnd = e.add_adapter("rnd", make_random_adapter(cfg, "rnd", 16, 1));
+  EXPECT_FALSE(rnd.ok());
+  EXPECT_TRUE(contains(rnd.message(), "above the engine's maximum 8")) << rnd.message();
+  EXPECT_TRUE(e.add_adapter("rnd8", make_random_adapter(cfg, "rnd8", 8, 1)).ok());
+}
+
+TEST(ShapeRefusal, TheDefaultBackendCheckAcceptsAnyShape) {
+  ModelShapes s;
+  s.k_head_dim = 40;
+  s.v_head_dim = 24;
+  s.num_experts = 5000;
+  s.max_lora_rank = 4096;
+  CpuBackend cpu;
+  EXPECT_TRUE(cpu.check_model_shapes(s).ok());
+  EXPECT_EQ(cpu.max_lora_rank(), 0);
+  EXPECT_FALSE(cuda_plan::check_shape_limits(s).ok());
+}
+
+}  // namespace
+}  // namespace moelora
