@@ -194,9 +194,11 @@ struct Engine::Impl {
         std::vector<SampleRow> rows;
         rows.reserve(step.samplers.size());
         const ModelConfig& cfg = model->config();
-        for (Sequence* s : step.samplers)
+        for (Sequence* s : step.samplers) {
+          s->penalties.sync(s->req.sampling, s->tokens, s->prompt_len);
           rows.push_back(make_sample_row(s->req.sampling, s->seed, s->tokens, s->prompt_len, cfg.eos_token_ids,
-                                         cfg.vocab_size));
+                                         cfg.vocab_size, s->penalties));
+        }
         std::vector<SampleOutput> sampled = backend->sample(logits, rows);
         const auto t_end = std::chrono::steady_clock::now();
         const double wall = std::chrono::duration<double>(t_end - t_begin).count();

@@ -1,12 +1,20 @@
 #include "runtime/sampler.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 
 namespace moelora {
 
-SampleRow make_sample_row(const SamplingParams& p, uint64_t seed, const std::vector<int32_t>& tokens, int prompt_len,
-                          const std::vector<int>& eos_ids, int vocab) {
+namespace {
+
+bool wants_context(const SamplingParams& p) { return p.repetition_penalty != 1.0f; }
+bool wants_output(const SamplingParams& p) { return p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f; }
+
+// Everything but the penalties' counts: per-step edits (bias, allowed, min_tokens, bad_words).
+SampleRow row_without_counts(const SamplingParams& p, uint64_t seed, const std::vector<int32_t>& tokens,
+                             int prompt_len, const std::vector<int>& eos_ids, int vocab,
+                             std::map<int32_t, LogitEdit>& edits) {
   SampleRow r;
   r.temperature = p.temperature;
   r.top_k = p.top_k;
@@ -20,7 +28,6 @@ SampleRow make_sample_row(const SamplingParams& p, uint64_t seed, const std::vec
   r.repetition = p.repetition_penalty;
   r.restrict_to_allowed = !p.allowed_token_ids.empty();
 
-  std::map<int32_t, LogitEdit> edits;  // ordered by token: the contract asks for sorted edits
   auto edit = [&](int32_t t) -> LogitEdit& {
     LogitEdit& e = edits[t];
     e.token = t;
@@ -44,12 +51,89 @@ SampleRow make_sample_row(const SamplingParams& p, uint64_t seed, const std::vec
     for (int i = 0; i < pre && match; ++i) match = tokens[tokens.size() - pre + i] == w[i];
     if (match) edit(w.back()).banned = 1;
   }
-  if (p.repetition_penalty != 1.0f)
+  return r;
+}
+
+}  // namespace
+
+SampleRow make_sample_row(const SamplingParams& p, uint64_t seed, const std::vector<int32_t>& tokens, int prompt_len,
+                          const std::vector<int>& eos_ids, int vocab) {
+  std::map<int32_t, LogitEdit> edits;  // ordered by token: the contract asks for sorted edits
+  SampleRow r = row_without_counts(p, seed, tokens, prompt_len, eos_ids, vocab, edits);
+  auto edit = [&](int32_t t) -> LogitEdit& {
+    LogitEdit& e = edits[t];
+    e.token = t;
+    return e;
+  };
+  if (wants_context(p))
     for (int32_t t : tokens) edit(t).in_context = 1;
-  if (p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f)
+  if (wants_output(p))
     for (size_t i = prompt_len; i < tokens.size(); ++i) edit(tokens[i]).out_count++;
   r.edits.reserve(edits.size());
   for (const auto& [t, e] : edits) r.edits.push_back(e);
+  return r;
+}
+
+void PenaltyCounts::sync(const SamplingParams& p, const std::vector<int32_t>& tokens, int prompt_len) {
+  if (!wants_context(p) && !wants_output(p)) return;
+  if (tokens.size() < seen_) {
+    counts_.clear();
+    seen_ = 0;
+  }
+  const bool bulk = tokens.size() - seen_ > 64;  // a prompt: sort once instead of inserting one by one
+  if (bulk) {
+    for (size_t i = seen_; i < tokens.size(); ++i) {
+      LogitEdit e;
+      e.token = tokens[i];
+      e.in_context = 1;
+      e.out_count = static_cast<int>(i) >= prompt_len ? 1 : 0;
+      counts_.push_back(e);
+    }
+    std::stable_sort(counts_.begin(), counts_.end(), [](const LogitEdit& a, const LogitEdit& b) { return a.token < b.token; });
+    size_t w = 0;  // merge duplicates
+    for (size_t r = 0; r < counts_.size(); ++r) {
+      if (w > 0 && counts_[w - 1].token == counts_[r].token) counts_[w - 1].out_count += counts_[r].out_count;
+      else counts_[w++] = counts_[r];
+    }
+    counts_.resize(w);
+  } else {
+    for (size_t i = seen_; i < tokens.size(); ++i) {
+      const int32_t t = tokens[i];
+      auto it = std::lower_bound(counts_.begin(), counts_.end(), t,
+                                 [](const LogitEdit& e, int32_t v) { return e.token < v; });
+      if (it == counts_.end() || it->token != t) {
+        LogitEdit e;
+        e.token = t;
+        e.in_context = 1;
+        it = counts_.insert(it, e);
+      }
+      if (static_cast<int>(i) >= prompt_len) ++it->out_count;
+    }
+  }
+  seen_ = tokens.size();
+}
+
+SampleRow make_sample_row(const SamplingParams& p, uint64_t seed, const std::vector<int32_t>& tokens, int prompt_len,
+                          const std::vector<int>& eos_ids, int vocab, const PenaltyCounts& counts) {
+  const bool ctx = wants_context(p), out = wants_output(p);
+  if (!ctx && !out) return make_sample_row(p, seed, tokens, prompt_len, eos_ids, vocab);
+  std::map<int32_t, LogitEdit> edits;
+  SampleRow r = row_without_counts(p, seed, tokens, prompt_len, eos_ids, vocab, edits);
+  // Merge the two token-ordered sequences (the per-step edits are few; the counts are many).
+  r.edits.reserve(edits.size() + counts.counts().size());
+  auto e = edits.begin();
+  for (const LogitEdit& c : counts.counts()) {
+    const int32_t t = c.token;
+    if (!ctx && c.out_count == 0) continue;  // only the prompt has it: no penalty applies
+    for (; e != edits.end() && e->first < t; ++e) r.edits.push_back(e->second);
+    LogitEdit m;
+    if (e != edits.end() && e->first == t) m = (e++)->second;
+    m.token = t;
+    if (ctx) m.in_context = c.in_context;
+    if (out) m.out_count = c.out_count;
+    r.edits.push_back(m);
+  }
+  for (; e != edits.end(); ++e) r.edits.push_back(e->second);
   return r;
 }
 

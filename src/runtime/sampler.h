@@ -22,6 +22,31 @@ namespace moelora {
 SampleRow make_sample_row(const SamplingParams& p, uint64_t seed, const std::vector<int32_t>& tokens, int prompt_len,
                           const std::vector<int>& eos_ids, int vocab);
 
+// What the repetition / frequency / presence penalties need from a sequence's tokens, kept up to
+// date as tokens are appended: recounting the whole context every step cost O(context log
+// context) per penalised row per step on the engine thread (a 4k-token prompt with
+// repetition_penalty: ~4k map insertions per step). One per sequence; sync() reads only the
+// tokens appended since its last call.
+class PenaltyCounts {
+ public:
+  // Catches up with `tokens` (prompt + generated, the first `prompt_len` the prompt). A shorter
+  // `tokens` than seen before (never in the engine) starts over.
+  void sync(const SamplingParams& p, const std::vector<int32_t>& tokens, int prompt_len);
+  // One edit per distinct token seen, sorted by token, with in_context = 1 and out_count = its
+  // occurrences among the generated tokens (other fields zero). A sorted vector, not a map: the
+  // row builder copies it every step, and a flat copy is ~10x cheaper than walking a tree.
+  const std::vector<LogitEdit>& counts() const { return counts_; }
+
+ private:
+  std::vector<LogitEdit> counts_;
+  size_t seen_ = 0;
+};
+
+// The same row, with the penalties' counts taken from `counts` (synced to `tokens`) instead of a
+// recount: identical result, O(distinct tokens) per step.
+SampleRow make_sample_row(const SamplingParams& p, uint64_t seed, const std::vector<int32_t>& tokens, int prompt_len,
+                          const std::vector<int>& eos_ids, int vocab, const PenaltyCounts& counts);
+
 // Checks a request's sampling values against the vocabulary (ranges as vLLM's).
 Status validate_sampling(const SamplingParams& p, int vocab);
 

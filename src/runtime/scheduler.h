@@ -17,6 +17,7 @@
 #include "ops/types.h"
 #include "runtime/engine.h"
 #include "runtime/kv_cache_manager.h"
+#include "runtime/sampler.h"
 
 namespace moelora {
 
@@ -31,6 +32,7 @@ struct Sequence {
   uint64_t adapter_id = 0;      // registry generation (0 = base): part of prefix-cache keys
   int slot = -1;
   uint64_t seed = 0;             // sampling seed: the request's, or drawn at submission
+  PenaltyCounts penalties;       // token counts for the penalties, synced before each sample
   uint64_t arrival = 0;
   int cached_tokens = 0;
   bool first_token_sent = false;

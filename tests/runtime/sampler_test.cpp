@@ -188,6 +188,40 @@ TEST(SampleRowBuilder, ProcessorsBecomeSortedEdits) {
   EXPECT_TRUE(find_edit(r2, 0) == nullptr || !find_edit(r2, 0)->banned);  // min_tokens reached
 }
 
+// The engine keeps the penalties' counts incrementally (PenaltyCounts); every step's row must be
+// the recount's, edit for edit, for every combination of penalties and the other processors.
+TEST(SampleRowBuilder, IncrementalPenaltyCountsEqualTheRecountEveryStep) {
+  std::mt19937 g(21);
+  for (int combo = 0; combo < 8; ++combo) {
+    SamplingParams p;
+    p.repetition_penalty = (combo & 1) ? 1.3f : 1.0f;
+    p.frequency_penalty = (combo & 2) ? 0.2f : 0.0f;
+    p.presence_penalty = (combo & 4) ? -0.5f : 0.0f;
+    p.logit_bias = {{5, 1.0f}, {40, -2.0f}, {63, 0.5f}};
+    p.min_tokens = 4;
+    p.stop_token_ids = {7};
+    p.bad_words = {{9}, {3, 12}};
+    std::vector<int32_t> tokens(30);
+    for (auto& t : tokens) t = std::uniform_int_distribution<int>(0, 63)(g);
+    const int prompt_len = static_cast<int>(tokens.size());
+    PenaltyCounts counts;
+    for (int step = 0; step < 60; ++step) {
+      counts.sync(p, tokens, prompt_len);
+      const SampleRow a = make_sample_row(p, 3, tokens, prompt_len, {0}, 64);
+      const SampleRow b = make_sample_row(p, 3, tokens, prompt_len, {0}, 64, counts);
+      ASSERT_EQ(a.edits.size(), b.edits.size()) << "combo " << combo << " step " << step;
+      for (size_t i = 0; i < a.edits.size(); ++i) {
+        const LogitEdit &x = a.edits[i], &y = b.edits[i];
+        ASSERT_TRUE(x.token == y.token && x.bias == y.bias && x.out_count == y.out_count &&
+                    x.in_context == y.in_context && x.banned == y.banned && x.allowed == y.allowed)
+            << "combo " << combo << " step " << step << " edit " << i << " token " << x.token;
+      }
+      EXPECT_EQ(a.step, b.step);
+      tokens.push_back(std::uniform_int_distribution<int>(0, 63)(g));  // the token "sampled"
+    }
+  }
+}
+
 TEST(SampleRowBuilder, AllowedTokensRestrictTheChoice) {
   SamplingParams p;
   p.allowed_token_ids = {3, 7};
