@@ -1,7 +1,7 @@
 // moelora bench: decode / prefill step time of a full-size model (shapes from a config.json) with
 // random weights made on the device, for batch sizes x numbers of distinct adapters, against the
 // memory floor of the same shapes (weights touched + LoRA factors touched + KV read, over HBM
-// bandwidth; docs/reference performance-floors §C).
+// bandwidth; docs/floors.md).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -95,7 +95,7 @@ RandomAdapters make_adapters(const ModelConfig& c, Backend& b, int slots, int ra
   return r;
 }
 
-// Bytes a decode step must read at least (performance-floors.md §C.1, with our LoRA layout).
+// Bytes a decode step must read at least (docs/floors.md, with our LoRA layout).
 double floor_bytes(const ModelConfig& c, int B, int N, int rank, int context) {
   const double wbytes = c.fp8 ? 1.0 + 4.0 / (128 * 128) : 2.0;
   const double H = c.hidden_size, E = c.num_experts, k = c.top_k, I = c.moe_intermediate_size;

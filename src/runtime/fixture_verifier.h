@@ -1,4 +1,4 @@
-// Runs reference fixtures (../shared/fixtures format: cases.json + expected-*.safetensors made
+// Runs reference fixtures (tests/fixtures/README.md: cases.json + expected-*.safetensors made
 // by Hugging Face transformers + PEFT in float64) through a backend, every case of a checkpoint
 // in ONE batch that mixes all adapters and the base model: prefill logits at every position and
 // teacher-forced decode logits, compared row by row.

@@ -1,5 +1,5 @@
 // cuBLASLt paths of the dense projection (see dense_gemm.cuh): the FP8 block-scaled GEMM and the
-// bf16 GEMM used for prefill-sized M. Recipe (DESIGN.md, checked on the H200): compute
+// bf16 GEMM used for prefill-sized M. Recipe (checked on the H200, docs/gpu.md): compute
 // D^T = W X^T in column-major terms, TRANSA = T, TRANSB = N; the weight [N, K] is operand A with
 // BLK128x128 f32 scales (the checkpoint's scale_inv as it is), the quantised activations [M, K]
 // are operand B with VEC128 f32 scales stored [K/128][M], token fastest.
