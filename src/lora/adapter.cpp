@@ -492,7 +492,51 @@ Result<std::shared_ptr<const LoraAdapter>> load_lora_adapter(const std::string& 
   MOELORA_ASSIGN_OR_RETURN(auto adapter, builder.finish());
   if (!peft.pattern_error.empty()) return invalid_argument("{}: {}", cfg_path, peft.pattern_error);
   adapter->identity = identity;
+  convert_adapter_factors(*adapter, opts.factor_dtype);
   return std::shared_ptr<const LoraAdapter>(adapter);
+}
+
+namespace {
+
+Tensor converted(const Tensor& t, DType dtype) {
+  if (!t.defined() || t.dtype() == dtype) return t;
+  MOELORA_CHECK(t.dtype() == DType::kF32 && dtype == DType::kBF16 && t.contiguous());
+  Tensor out = Tensor::empty_host(dtype, t.shape());
+  const float* src = t.ptr<float>();
+  uint16_t* dst = out.ptr<uint16_t>();
+  const int64_t n = t.numel();
+  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+  return out;
+}
+
+}  // namespace
+
+bool factors_are(const LoraAdapter& a, DType dtype) {
+  for (const auto& layer : a.dense)
+    for (const LoraFactor& f : layer)
+      if (f.rank && (f.a.dtype() != dtype || f.b.dtype() != dtype)) return false;
+  for (const ExpertLora& x : a.experts)
+    for (const Tensor* t : {&x.gu_a, &x.gu_b, &x.d_a, &x.d_b})
+      if (t->defined() && t->dtype() != dtype) return false;
+  return true;
+}
+
+void convert_adapter_factors(LoraAdapter& a, DType dtype) {
+  MOELORA_CHECK_MSG(dtype == DType::kF32 || dtype == DType::kBF16, "adapter factors in {}", dtype_name(dtype));
+  size_t bytes = 0;
+  for (auto& layer : a.dense)
+    for (LoraFactor& f : layer) {
+      if (f.rank == 0) continue;
+      f.a = converted(f.a, dtype);
+      f.b = converted(f.b, dtype);
+      bytes += f.a.nbytes() + f.b.nbytes();
+    }
+  for (ExpertLora& x : a.experts)
+    for (Tensor* t : {&x.gu_a, &x.gu_b, &x.d_a, &x.d_b}) {
+      *t = converted(*t, dtype);
+      if (t->defined()) bytes += t->nbytes();
+    }
+  a.bytes = bytes;
 }
 
 }  // namespace moelora

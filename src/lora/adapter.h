@@ -65,7 +65,19 @@ struct AdapterLoadOptions {
   // final symlink swapped in after the check, without blocking (a FIFO fails at once), and
   // only when they are regular files.
   std::string root;
+  // The dtype the backend's adapter slots take (Backend::lora_dtype: f32 on the CPU, bf16 on
+  // CUDA). Factors are built in f32 (scale folded into B) and converted once, here, on the
+  // loading thread: placing an adapter in a slot is then a plain copy on the engine thread (the
+  // per-element conversion of a full Qwen3-30B-A3B r16 adapter, 630M values, ran there before),
+  // and the host copy of a bf16 backend's adapter is half the size.
+  DType factor_dtype = DType::kF32;
 };
+
+// Converts every factor of `a` to `dtype` (f32 or bf16; round to nearest even, the rounding the
+// CUDA upload applied) and recomputes `bytes`. No-op when they already are.
+void convert_adapter_factors(LoraAdapter& a, DType dtype);
+// True when every factor of `a` is in `dtype`.
+bool factors_are(const LoraAdapter& a, DType dtype);
 
 // Loads `dir` (adapter_config.json + adapter_model.safetensors) for a model with config `cfg`.
 // Every problem is a clear error naming the field, tensor or module; nothing is half-loaded.

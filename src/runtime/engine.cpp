@@ -296,7 +296,10 @@ Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Backend> backend,
   impl->kv = model->alloc_kv_cache(num_pages, opts.kv_page_size);
   impl->pages = std::make_unique<KvCacheManager>(num_pages, opts.kv_page_size, opts.enable_prefix_cache);
   impl->slots = std::make_unique<LoraSlotPool>(cfg, *backend, opts.max_loras_per_batch);
-  impl->registry = std::make_unique<AdapterRegistry>(cfg, AdapterLoadOptions{opts.max_lora_rank},
+  AdapterLoadOptions load_opts;
+  load_opts.max_rank = opts.max_lora_rank;
+  load_opts.factor_dtype = backend->lora_dtype();  // converted on the loading thread
+  impl->registry = std::make_unique<AdapterRegistry>(cfg, load_opts,
                                                      opts.max_loaded_loras, opts.lora_root);
   impl->scheduler = std::make_unique<Scheduler>(opts, *impl->pages, *impl->slots, *impl->registry);
   impl->backend = std::move(backend);
@@ -415,6 +418,13 @@ Status Engine::add_adapter(const std::string& name, std::shared_ptr<const LoraAd
                                                                               impl_->backend->name(),
                                                                               impl_->backend->max_lora_rank())
                                                                 : std::string());
+  // Stored as the slots take them (see AdapterLoadOptions::factor_dtype), converted here on the
+  // caller's thread rather than at every placement on the engine thread.
+  if (const DType dt = impl_->backend->lora_dtype(); !factors_are(*adapter, dt)) {
+    auto copy = std::make_shared<LoraAdapter>(*adapter);
+    convert_adapter_factors(*copy, dt);
+    adapter = std::move(copy);
+  }
   std::lock_guard<std::mutex> lk(impl_->mu);
   return impl_->registry->add_in_memory(name, std::move(adapter));
 }

@@ -76,6 +76,51 @@ TEST(Adapter, EveryFixtureAdapterLoads) {
   }
 }
 
+// A bf16 backend's adapters are converted once at load (AdapterLoadOptions::factor_dtype): every
+// factor holds exactly the round-to-nearest-even bf16 of the f32 load's value (what the CUDA
+// upload computed before), and the host copy is half the bytes.
+TEST(Adapter, Bf16FactorsAreTheRoundedF32FactorsAtHalfTheBytes) {
+  const ModelConfig cfg = qwen_config();
+  AdapterLoadOptions bf;
+  bf.factor_dtype = DType::kBF16;
+  auto f32 = load_lora_adapter(fixture_path("qwen3moe/adapters/full-r16"), "f", cfg);
+  auto b16 = load_lora_adapter(fixture_path("qwen3moe/adapters/full-r16"), "b", cfg, bf);
+  ASSERT_TRUE(f32.ok() && b16.ok());
+  EXPECT_TRUE(factors_are(**b16, DType::kBF16));
+  EXPECT_FALSE(factors_are(**b16, DType::kF32));
+  EXPECT_TRUE(factors_are(**f32, DType::kF32));
+  EXPECT_EQ((*b16)->bytes * 2, (*f32)->bytes);
+  auto same = [](const Tensor& a, const Tensor& b) {
+    if (a.defined() != b.defined()) return false;
+    if (!a.defined()) return true;
+    if (a.numel() != b.numel() || b.dtype() != DType::kBF16) return false;
+    for (int64_t i = 0; i < a.numel(); ++i)
+      if (f32_to_bf16(a.ptr<float>()[i]) != b.ptr<uint16_t>()[i]) return false;
+    return true;
+  };
+  int checked = 0;
+  for (int l = 0; l < cfg.num_layers; ++l) {
+    for (int t = 0; t < kNumLoraTargets; ++t) {
+      const LoraFactor &x = (*f32)->dense[l][t], &y = (*b16)->dense[l][t];
+      ASSERT_EQ(x.rank, y.rank);
+      if (x.rank == 0) continue;
+      EXPECT_TRUE(same(x.a, y.a) && same(x.b, y.b)) << "layer " << l << " target " << t;
+      ++checked;
+    }
+    const ExpertLora &x = (*f32)->experts[l], &y = (*b16)->experts[l];
+    EXPECT_TRUE(same(x.gu_a, y.gu_a) && same(x.gu_b, y.gu_b) && same(x.d_a, y.d_a) && same(x.d_b, y.d_b))
+        << "layer " << l << " experts";
+    checked += x.any();
+  }
+  EXPECT_GT(checked, 0);
+  // In-memory conversion does the same; converting again is a no-op.
+  LoraAdapter copy = **f32;
+  convert_adapter_factors(copy, DType::kBF16);
+  EXPECT_EQ(copy.bytes, (*b16)->bytes);
+  convert_adapter_factors(copy, DType::kBF16);
+  EXPECT_EQ(copy.bytes, (*b16)->bytes);
+}
+
 TEST(Adapter, FusedAndPerExpertLayoutsGiveTheSameExpertDeltas) {
   const ModelConfig cfg = qwen_config();
   auto fused = load_lora_adapter(fixture_path("qwen3moe/adapters/full-r16"), "f", cfg);
