@@ -102,6 +102,15 @@ float fp8e4m3_to_f32(uint8_t v) {
   return sign ? -mag : mag;
 }
 
+float fp4e2m1_to_f32(uint8_t nibble) {
+  const uint32_t sign = (nibble >> 3) & 1u;
+  const uint32_t exp = (nibble >> 1) & 0x3u;
+  const uint32_t mant = nibble & 0x1u;
+  // exp 0 is subnormal: mant * 2^-1; otherwise (2 + mant) * 2^(exp - 2), i.e. (1 + mant/2) * 2^(exp - 1).
+  const float mag = exp == 0 ? 0.5f * static_cast<float>(mant) : std::ldexp(static_cast<float>(2 + mant), static_cast<int>(exp) - 2);
+  return sign ? -mag : mag;
+}
+
 uint8_t f32_to_fp8e4m3(float f) {
   const uint8_t sign = (f32_to_bits(f) >> 24) & 0x80u;
   if (std::isnan(f)) return sign | 0x7f;

@@ -52,4 +52,8 @@ uint8_t f32_to_fp8e4m3(float f);
 
 constexpr float kFp8E4M3Max = 448.0f;
 
+// float4 e2m1 (NVFP4's element type), the low 4 bits of `nibble`: 1 sign, 2 exponent (bias 1),
+// 1 mantissa bit; no infinities or NaN; values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives.
+float fp4e2m1_to_f32(uint8_t nibble);
+
 }  // namespace moelora

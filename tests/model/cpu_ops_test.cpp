@@ -62,6 +62,58 @@ TEST(Fp8, BlockDequantisationWithPartialEdgeBlocksAndSplitRows) {
     }
 }
 
+// NVFP4's element type from the bits alone (sign, 2-bit exponent with bias 1, 1 mantissa bit),
+// written here independently of the decoder.
+TEST(Nvfp4, DecodesEveryE2M1CodeExactly) {
+  const double expected[16] = {0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6};
+  for (int c = 0; c < 16; ++c) {
+    const int e = (c >> 1) & 3, m = c & 1;
+    const double mag = e == 0 ? 0.5 * m : std::ldexp(1.0 + 0.5 * m, e - 1);
+    EXPECT_EQ(static_cast<double>(fp4e2m1_to_f32(static_cast<uint8_t>(c))), (c & 8) ? -mag : mag) << c;
+    EXPECT_EQ(static_cast<double>(fp4e2m1_to_f32(static_cast<uint8_t>(c))), expected[c]) << c;
+    EXPECT_EQ(std::signbit(fp4e2m1_to_f32(static_cast<uint8_t>(c))), (c & 8) != 0) << c;  // -0 keeps its sign
+  }
+  EXPECT_EQ(fp4e2m1_to_f32(0xF3), fp4e2m1_to_f32(0x03));  // only the low nibble counts
+}
+
+// Dequantisation: element order within a byte (low nibble first), one e4m3 scale per 16 values,
+// the global scale, and scale edge cases (e4m3 subnormal, zero, the largest, NaN); every value
+// equals the float64 product rounded once to f32 (the first product is exact).
+TEST(Nvfp4, DequantisationFollowsModelOptLayoutAndRoundsOnce) {
+  const int rows = 3, cols = 48;
+  std::vector<uint8_t> packed(rows * cols / 2), scales(rows * cols / 16);
+  std::mt19937 g(9);
+  for (auto& b : packed) b = static_cast<uint8_t>(g() & 0xff);
+  const uint8_t scale_codes[9] = {0x38 /*1.0*/, 0x01 /*2^-9, subnormal*/, 0x00 /*0*/, 0x7e /*448*/, 0x45, 0x2a,
+                                  0xb8 /*-1.0*/, 0x7f /*NaN*/, 0x07 /*largest subnormal*/};
+  for (int i = 0; i < rows * cols / 16; ++i) scales[i] = scale_codes[i % 9];
+  const float global = 1.0f / (6.0f * 448.0f);  // ModelOpt's weight_scale_2 = amax / (6 * 448) for amax 1
+  std::vector<float> out(rows * cols);
+  cpu::dequantize_nvfp4(packed.data(), rows, cols, scales.data(), global, out.data());
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < cols; ++j) {
+      const uint8_t byte = packed[i * cols / 2 + j / 2];
+      const int code = j % 2 == 0 ? byte & 15 : byte >> 4;
+      const int e = (code >> 1) & 3, m = code & 1;
+      double v = e == 0 ? 0.5 * m : std::ldexp(1.0 + 0.5 * m, e - 1);
+      if (code & 8) v = -v;
+      const uint8_t sc = scales[i * cols / 16 + j / 16];
+      const double s = fp8e4m3_to_f32(sc);
+      const float got = out[i * cols + j];
+      if (sc == 0x7f) {
+        EXPECT_TRUE(std::isnan(got)) << i << "," << j;
+        continue;
+      }
+      EXPECT_EQ(got, static_cast<float>(v * s * static_cast<double>(global))) << i << "," << j;
+    }
+  // The low nibble is the even element: byte 0x21 -> (0.5, 1.0).
+  const uint8_t two[8] = {0x21, 0, 0, 0, 0, 0, 0, 0}, one_scale = 0x38;
+  float pair[16];
+  cpu::dequantize_nvfp4(two, 1, 16, &one_scale, 1.0f, pair);
+  EXPECT_EQ(pair[0], 0.5f);
+  EXPECT_EQ(pair[1], 1.0f);
+}
+
 TEST(Fp8, ActivationQuantisationErrorIsBoundedPerGroup) {
   std::mt19937 g(3);
   const int T = 3, K = 300, group = 128;

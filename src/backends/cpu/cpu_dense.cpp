@@ -26,6 +26,19 @@ void dequantize_fp8_block(const uint8_t* q, int rows, int cols, const float* sca
   }
 }
 
+void dequantize_nvfp4(const uint8_t* packed, int rows, int cols, const uint8_t* block_scales, float global_scale,
+                      float* out) {
+  MOELORA_CHECK_MSG(cols % 16 == 0, "NVFP4 rows hold whole groups of 16 values, got {} columns", cols);
+  const int groups = cols / 16;
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < cols; ++j) {
+      const uint8_t byte = packed[static_cast<int64_t>(i) * (cols / 2) + j / 2];
+      const uint8_t code = (j % 2 == 0) ? (byte & 0x0f) : (byte >> 4);
+      const float block = fp4e2m1_to_f32(code) * fp8e4m3_to_f32(block_scales[static_cast<int64_t>(i) * groups + j / 16]);
+      out[static_cast<int64_t>(i) * cols + j] = block * global_scale;
+    }
+}
+
 void quantize_fp8_per_token_group(const float* x, int64_t rows, int cols, int group, uint8_t* q,
                                   float* scales) {
   const int groups = (cols + group - 1) / group;
