@@ -17,6 +17,7 @@
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_utils.cuh"
 #include "backends/cuda/kernels/attention.cuh"
+#include "backends/cuda_plan/dense_choices.h"
 
 namespace moelora::cuda {
 namespace {
@@ -569,13 +570,10 @@ AttentionPlan attention_plan(const int32_t* positions, const int32_t* token_seq,
       MOELORA_CHECK_MSG(opt.max_positions >= maxn, "attention plan: max_positions {} < {}", opt.max_positions, maxn);
       maxn = opt.max_positions;
     }
-    // Enough blocks to fill the GPU about twice, but never splits under 128 positions.
-    const int64_t per_split = static_cast<int64_t>(std::max(T, 1)) * kv_heads * ((group + 15) / 16);
-    const int want = static_cast<int>(std::max<int64_t>(1, (2 * opt.num_sms + per_split - 1) / per_split));
-    int chunk = (std::max(1, maxn) + want - 1) / want;
-    chunk = std::max(128, (chunk + 63) / 64 * 64);
-    plan.chunk = chunk;
-    plan.max_splits = std::max(1, (maxn + chunk - 1) / chunk);
+    const cuda_plan::AttentionDecodeSplit split =
+        cuda_plan::choose_attention_decode_split(T, kv_heads, group, maxn, opt.num_sms);
+    plan.chunk = split.chunk;
+    plan.max_splits = split.max_splits;
     return plan;
   }
   // Prefill: consecutive tokens of one sequence, up to 64 (token, head) rows per block.

@@ -17,6 +17,7 @@
 #include "backends/cuda/cuda_utils.cuh"
 #include "backends/cuda/kernels/dense_gemm.cuh"
 #include "backends/cuda/kernels/fp8_quant.cuh"
+#include "backends/cuda_plan/dense_choices.h"
 
 namespace moelora::cuda {
 namespace {
@@ -280,14 +281,9 @@ void launch_dense_small_m(const DenseArgs& a, cudaStream_t stream, DenseSmallMCo
   const SmallMParams p = to_params(a);
   if (a.M == 0 || a.w.out == 0) return;
   if (!small_m_supported(a)) return launch_dense_naive(a, stream);
-  // Token tiles of 8: as few as cover M (up to 8 tiles = 64 tokens per grid row).
-  const int m8 = ceil_div(std::min(a.M, kDenseSmallMMax), 8);
-  const int mt = m8 <= 1 ? 1 : m8 <= 2 ? 2 : m8 <= 4 ? 4 : 8;
-  // Measured on the H200 (bench/RESULTS.md): one 16-row group per block with 8 warps splitting K
-  // was the fastest tiling at every M up to 64, so it is the default.
-  int rg = cfg.row_groups > 0 ? cfg.row_groups : 1;
-  const int kblocks = ceil_div(a.w.in, kKBlock);
-  int kw = cfg.k_warps > 0 ? cfg.k_warps : std::max(1, std::min(8 / rg, kblocks));
+  const cuda_plan::DenseSmallMTiling t =
+      cuda_plan::choose_dense_small_m_tiling(a.M, a.w.in, cfg.row_groups, cfg.k_warps);
+  const int mt = t.m_tiles, rg = t.row_groups, kw = t.k_warps;
   MOELORA_CHECK(rg * kw <= 8);
   if (a.w.type == WeightType::kFP8E4M3)
     launch_fp<true>(p, mt, rg, kw, stream);
@@ -303,12 +299,6 @@ size_t dense_fp8_scratch_bytes(int max_M, int in) {
 }
 
 namespace {
-// Where our kernel stops winning (dev/dense_gemm.cu on the H200, bench/RESULTS.md): FP8 weights
-// are read at half the bytes of bf16 and cuBLASLt adds an activation-quantisation pass, so our
-// kernel wins longer for FP8.
-constexpr int kFp8SmallMMax = 32;
-constexpr int kBf16SmallMMax = 8;
-
 // Layouts cuBLASLt's block-scaled FP8 GEMM was seen to get right on the H200: the weight's scale
 // rows must have a multiple of 4 column blocks (otherwise it reads them with a padded stride),
 // and a split weight must restart on 16-byte aligned rows of the output.
@@ -321,7 +311,7 @@ bool lt_fp8_shape_ok(const DenseWeight& w) {
 void dense_linear(DenseGemmContext& ctx, const DenseArgs& a, DenseScratch scratch, cudaStream_t stream) {
   if (a.M == 0 || a.w.out == 0) return;
   const bool fp8 = a.w.type == WeightType::kFP8E4M3;
-  if (a.M <= (fp8 ? kFp8SmallMMax : kBf16SmallMMax)) return launch_dense_small_m(a, stream);
+  if (cuda_plan::choose_dense_path(a.M, fp8) == cuda_plan::DensePath::kSmallM) return launch_dense_small_m(a, stream);
   if (!fp8) {
     if (!ctx.gemm_bf16(a, stream)) launch_dense_small_m(a, stream);
     return;
