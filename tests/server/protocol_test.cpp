@@ -148,6 +148,24 @@ TEST(ServerProtocol, BatchedPrompts) {
   EXPECT_TRUE(r.prompts[1].is_ids);
 }
 
+// One request may not hold more engine sequences than ProtocolLimits::max_choices (prompts x n):
+// 64 prompts x n 64 = 4,096 sequences used to be accepted from a single client.
+TEST(ServerProtocol, PromptsTimesNIsCapped) {
+  auto prompts = [](int count) {
+    std::string p = "[";
+    for (int i = 0; i < count; ++i) p += (i ? ",\"p" : "\"p") + std::to_string(i) + "\"";
+    return p + "]";
+  };
+  const int cap = ProtocolLimits{}.max_choices;
+  EXPECT_FALSE(completion(R"({"prompt": )" + prompts(cap / 2) + R"(, "n": 2})"));  // exactly the cap
+  const auto over = completion(R"({"prompt": )" + prompts(64) + R"(, "n": 64})");
+  ASSERT_TRUE(over);
+  EXPECT_EQ(over->http_status, 400);
+  EXPECT_EQ(over->param, "n");
+  EXPECT_NE(over->message.find("4096"), std::string::npos) << over->message;
+  EXPECT_TRUE(completion(R"({"prompt": )" + prompts(cap + 1) + R"(})"));  // one past the cap, n = 1
+}
+
 TEST(ServerProtocol, WrongTypesNameTheField) {
   struct Case {
     const char* body;
