@@ -98,11 +98,8 @@ void handle_chat(ServerState& st, const HttpRequest& req, HttpResponse& res) {
   JobSpec spec;
   if (auto e = st.resolve_model(r.opts.model, r.opts.lora_path, &spec.adapter)) return st.send_error(res, *e);
   if (auto e = resolve_bad_words(st, r.opts)) return st.send_error(res, *e);
-  if (!r.tools.is_null()) {
-    // The template sees the tools in the client's key order (Json sorts keys; tojson shows them).
-    auto ordered = OJson::parse(req.body, nullptr, false);
-    if (ordered.is_object() && ordered.contains("tools")) r.tools = ordered["tools"];
-  }
+  // The template sees tools and assistant tool_calls in the client's key order (tojson shows it).
+  keep_client_key_order(req.body, &r.messages, &r.tools);
   auto ids = st.tokenizer->encode_chat(r.messages, r.add_generation_prompt, r.continue_final_message, r.tools);
   if (!ids.ok()) return st.send_error(res, from_status(ids.status(), "messages"));
   if (r.opts.add_special_tokens.value_or(false)) {

@@ -565,6 +565,41 @@ std::optional<ApiError> parse_chat_messages(const Json& messages, std::vector<Ch
   return std::nullopt;
 }
 
+std::optional<ApiError> parse_tools(const Json& body, OJson* out) {
+  *out = nullptr;
+  const Json* tools = present(body, "tools");
+  if (!tools) return std::nullopt;
+  if (!tools->is_array()) return type_error("tools", "an array of tools", *tools);
+  for (const Json& t : *tools) {
+    // A "type" other than the string "function" (a number too) is refused, not a 500.
+    const auto type = t.find("type");
+    const auto fn = t.find("function");
+    if (!t.is_object() || (type != t.end() && !(type->is_string() && *type == "function")) || fn == t.end() ||
+        !fn->is_object() || !fn->contains("name") || !(*fn)["name"].is_string() ||
+        (*fn)["name"].get<std::string>().empty())
+      return bad_request("every tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}", "tools");
+  }
+  if (!tools->empty()) *out = OJson(*tools);
+  return std::nullopt;
+}
+
+void keep_client_key_order(std::string_view body, std::vector<ChatMessage>* messages, OJson* tools) {
+  const bool has_calls = std::any_of(messages->begin(), messages->end(),
+                                     [](const ChatMessage& m) { return m.tool_fields.contains("tool_calls"); });
+  if (!has_calls && (tools == nullptr || tools->is_null())) return;
+  const auto ordered = OJson::parse(body, nullptr, false);
+  if (!ordered.is_object()) return;
+  if (tools != nullptr && !tools->is_null() && ordered.contains("tools")) *tools = ordered["tools"];
+  const auto m = ordered.find("messages");
+  if (m == ordered.end() || !m->is_array() || m->size() != messages->size()) return;
+  for (size_t i = 0; i < messages->size(); ++i) {
+    OJson& fields = (*messages)[i].tool_fields;
+    const OJson& sent = (*m)[i];
+    if (!fields.contains("tool_calls") || !sent.is_object()) continue;
+    if (const auto calls = sent.find("tool_calls"); calls != sent.end()) fields["tool_calls"] = *calls;
+  }
+}
+
 std::optional<ApiError> parse_chat_completion_request(const Json& body, const ProtocolLimits& limits,
                                                       ChatCompletionRequest* out) {
   MOELORA_TRY_API(parse_options(body, limits, /*chat=*/true, &out->opts));
@@ -581,18 +616,7 @@ std::optional<ApiError> parse_chat_completion_request(const Json& body, const Pr
     return bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
                        "continue_final_message");
   if (out->continue_final_message) out->add_generation_prompt = false;
-  // Tools: [{"type": "function", "function": {"name", "description"?, "parameters"?}}].
-  if (const Json* tools = present(body, "tools")) {
-    if (!tools->is_array()) return type_error("tools", "an array of tools", *tools);
-    for (const Json& t : *tools) {
-      const auto fn = t.find("function");
-      if (!t.is_object() || t.value("type", std::string("function")) != "function" || fn == t.end() ||
-          !fn->is_object() || !fn->contains("name") || !(*fn)["name"].is_string() ||
-          (*fn)["name"].get<std::string>().empty())
-        return bad_request("every tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}", "tools");
-    }
-    if (!tools->empty()) out->tools = OJson(*tools);
-  }
+  MOELORA_TRY_API(parse_tools(body, &out->tools));
   if (const Json* choice = present(body, "tool_choice")) {
     if (choice->is_string() && (*choice == "auto" || *choice == "none")) {
       out->tool_choice = choice->get<std::string>();

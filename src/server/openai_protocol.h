@@ -11,6 +11,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "io/json_util.h"
@@ -104,6 +105,15 @@ std::optional<ApiError> tokenize_bad_words(const std::vector<std::string>& words
 
 // Chat messages alone (also used by /tokenize).
 std::optional<ApiError> parse_chat_messages(const Json& messages, std::vector<ChatMessage>* out);
+
+// The body's "tools": [{"type": "function", "function": {"name", "description"?, "parameters"?}}]
+// (`out` stays null when absent or empty). Chat completions and /tokenize read them alike.
+std::optional<ApiError> parse_tools(const Json& body, OJson* out);
+
+// Json sorts object keys, but a chat template's tojson shows them, and transformers renders the
+// request's tools and the assistant messages' tool_calls in the client's order: both are re-read
+// in that order from the raw body (which already passed the strict parse). `tools` may be null.
+void keep_client_key_order(std::string_view body, std::vector<ChatMessage>* messages, OJson* tools);
 
 // The body of a POST as a JSON object, or the 400 to answer.
 std::optional<ApiError> parse_json_body(const std::string& body, Json* out);

@@ -1,6 +1,6 @@
 // vLLM's POST /tokenize and POST /detokenize:
 //   /tokenize   {"model"?, "prompt", "add_special_tokens"?=true, "return_token_strs"?=false}
-//            or {"model"?, "messages", "add_generation_prompt"?=true, "continue_final_message"?}
+//            or {"model"?, "messages", "tools"?, "add_generation_prompt"?=true, "continue_final_message"?}
 //            -> {"count", "max_model_len", "tokens", "token_strs"}
 //   /detokenize {"model"?, "tokens"} -> {"prompt"}
 // The model field is checked like a generation request's (404 when unknown); every adapter
@@ -30,7 +30,12 @@ void handle_tokenize(ServerState& st, const HttpRequest& req, HttpResponse& res)
   if (m != body.end() && !m->is_null()) {
     std::vector<ChatMessage> messages;
     if (auto e = parse_chat_messages(*m, &messages)) return st.send_error(res, *e);
-    ids = st.tokenizer->encode_chat(messages, add_gen.value_or(!cont.value_or(false)), cont.value_or(false));
+    // vLLM's chat /tokenize takes the request's tools: the count then matches a chat request's
+    // usage.prompt_tokens, tools included.
+    OJson tools;
+    if (auto e = parse_tools(body, &tools)) return st.send_error(res, *e);
+    keep_client_key_order(req.body, &messages, &tools);
+    ids = st.tokenizer->encode_chat(messages, add_gen.value_or(!cont.value_or(false)), cont.value_or(false), tools);
   } else {
     if (auto e = read_opt_string(body, "prompt", &prompt)) return st.send_error(res, *e);
     if (!prompt) return st.send_error(res, bad_request("'prompt' or 'messages' is required", "prompt"));
