@@ -14,11 +14,14 @@
 #include "backends/cpu/cpu_ops.h"
 #include "backends/cuda/kernels/attention.cuh"
 #include "core/tensor.h"
-#include "dev/dev_util.h"
+#include "gpukit/device_array.h"
+#include "gpukit/numeric.h"
+#include "gpukit/random.h"
+#include "gpukit/timing.h"
 
 using namespace moelora;
 using namespace moelora::cuda;
-using namespace moelora::dev;
+using namespace moelora::gpukit;
 
 namespace {
 
@@ -39,8 +42,8 @@ __global__ void fill_kernel(uint16_t* p, size_t n, uint32_t salt) {
 struct Batch {
   int B = 0, ctx = 0, pages = 0;
   std::vector<int32_t> pos, seq, indptr, indices;
-  int32_t *dpos = nullptr, *dseq = nullptr, *dptr = nullptr, *dind = nullptr;
-  void build(HostRng& r, int B_, int ctx_, int new_tokens, bool shuffle = true) {
+  DeviceArray<int32_t> dpos, dseq, dptr, dind;
+  void build(FastRng& r, int B_, int ctx_, int new_tokens, bool shuffle = true) {
     B = B_, ctx = ctx_;
     const int per = (ctx + new_tokens + kPage - 1) / kPage;
     pages = B * per;
@@ -57,10 +60,8 @@ struct Batch {
         seq.push_back(b);
       }
     }
-    dpos = to_device(pos), dseq = to_device(seq), dptr = to_device(indptr), dind = to_device(indices);
-  }
-  void release() {
-    cudaFree(dpos), cudaFree(dseq), cudaFree(dptr), cudaFree(dind);
+    dpos = DeviceArray<int32_t>(pos), dseq = DeviceArray<int32_t>(seq), dptr = DeviceArray<int32_t>(indptr),
+    dind = DeviceArray<int32_t>(indices);
   }
 };
 
@@ -76,7 +77,7 @@ AttentionParams params(const Batch& b, const __nv_bfloat16* q, __nv_bfloat16* ou
   p.k_cache = reinterpret_cast<__nv_bfloat16*>(kc);
   p.v_cache = reinterpret_cast<__nv_bfloat16*>(vc);
   p.page_size = kPage, p.kv_heads = kKvHeads, p.k_head_dim = kDim, p.v_head_dim = kDim;
-  p.positions = b.dpos, p.token_seq = b.dseq, p.page_indptr = b.dptr, p.page_indices = b.dind;
+  p.positions = b.dpos.get(), p.token_seq = b.dseq.get(), p.page_indptr = b.dptr.get(), p.page_indices = b.dind.get();
   return p;
 }
 
@@ -92,28 +93,31 @@ const Version kVersions[] = {{"v1 decode (plan)", 132, 1}, {"v2 decode 66-SM pla
 
 int main() {
   const double copy = print_ceilings("attention");
-  HostRng rng(11);
+  FastRng rng(11);
   const size_t row = size_t(kKvHeads) * kDim;  // elements per cache row, K or V
-  __nv_bfloat16* q = reinterpret_cast<__nv_bfloat16*>(to_device(random_bf16(rng, size_t(4096) * kHeads * kDim, 0.5f)));
-  __nv_bfloat16* out;
-  MOELORA_CUDA_CHECK(cudaMalloc(&out, size_t(4096) * kHeads * kDim * 2));
-  void* meta;
-  MOELORA_CUDA_CHECK(cudaMalloc(&meta, 1 << 20));
-  void* ws;
+  const DeviceArray<uint16_t> qbuf(random_bf16(rng, size_t(4096) * kHeads * kDim, 0.5f));
+  const DeviceArray<uint16_t> outbuf(size_t(4096) * kHeads * kDim);
+  const DeviceArray<uint8_t> metabuf(1 << 20);
   const size_t ws_bytes = size_t(512) << 20;
-  MOELORA_CUDA_CHECK(cudaMalloc(&ws, ws_bytes));
+  const DeviceArray<uint8_t> wsbuf(ws_bytes);
+  __nv_bfloat16* q = reinterpret_cast<__nv_bfloat16*>(qbuf.get());
+  __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(outbuf.get());
+  void* meta = metabuf.get();
+  void* ws = wsbuf.get();
 
   // ---- check every version against the CPU on 3 sequences of 300..1200 positions
   {
     Batch b;
     b.build(rng, 3, 1200, 1);
     b.pos = {299, 1199, 700};
-    MOELORA_CUDA_CHECK(cudaMemcpy(b.dpos, b.pos.data(), 12, cudaMemcpyHostToDevice));
+    b.dpos.upload(b.pos);
     const size_t n = size_t(b.pages) * kPage * row;
     std::vector<float> kf, vf;
-    uint16_t* kc = to_device(random_bf16(rng, n, 1.0f, &kf));
-    uint16_t* vc = to_device(random_bf16(rng, n, 1.0f, &vf));
-    std::vector<float> qf = bf16_to_float(to_host(reinterpret_cast<uint16_t*>(q), size_t(3) * kHeads * kDim));
+    const DeviceArray<uint16_t> kbuf(random_bf16(rng, n, 1.0f, &kf));
+    const DeviceArray<uint16_t> vbuf(random_bf16(rng, n, 1.0f, &vf));
+    uint16_t* kc = kbuf.get();
+    uint16_t* vc = vbuf.get();
+    std::vector<float> qf = from_bf16(qbuf.download(size_t(3) * kHeads * kDim));
     StepBatch sb;
     sb.positions = b.pos, sb.token_seq = b.seq;
     for (int s = 0; s < 3; ++s) sb.seq_pages.emplace_back(b.indices.begin() + b.indptr[s], b.indices.begin() + b.indptr[s + 1]);
@@ -141,12 +145,10 @@ int main() {
       MOELORA_CUDA_CHECK(cudaMemset(out, 0xff, size_t(3) * kHeads * kDim * 2));
       launch_attention_no_cache_write(params(b, q, out, kc, vc), plan, meta, ws, ws_bytes, nullptr);
       MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-      const auto got = bf16_to_float(to_host(reinterpret_cast<uint16_t*>(out), size_t(3) * kHeads * kDim));
+      const auto got = from_bf16(outbuf.download(size_t(3) * kHeads * kDim));
       std::printf("# check %s: splits %d, max row rel err %.2e\n", v.name, plan.max_splits,
                   max_row_rel(got, ref, 3, kHeads * kDim));
     }
-    cudaFree(kc), cudaFree(vc);
-    b.release();
   }
 
   // ---- decode timing
@@ -159,10 +161,11 @@ int main() {
       b.build(rng, B, ctx - 1, 1);  // each sequence's token sits at position ctx - 1: ctx keys
       const size_t n = size_t(b.pages) * kPage * row;
       const int copies = rotation_copies(static_cast<size_t>(2 * n * 2));
+      std::vector<DeviceArray<uint16_t>> kbuf, vbuf;
       std::vector<uint16_t*> kc(copies), vc(copies);
       for (int c = 0; c < copies; ++c) {
-        MOELORA_CUDA_CHECK(cudaMalloc(&kc[c], n * 2));
-        MOELORA_CUDA_CHECK(cudaMalloc(&vc[c], n * 2));
+        kc[c] = kbuf.emplace_back(n).get();
+        vc[c] = vbuf.emplace_back(n).get();
         fill_kernel<<<1024, 256>>>(kc[c], n, 17u * c + 1);
         fill_kernel<<<1024, 256>>>(vc[c], n, 31u * c + 7);
       }
@@ -202,7 +205,6 @@ int main() {
         const double gbs = kv_bytes / (us * 1e-6) / 1e9;
         std::printf("%5d %6d %-22s %6d %9.2f %9.0f %7.1f%%\n", 4 * B, ctx, "v6 decode, 8/1 heads", plan.max_splits, us,
                     gbs, 100.0 * gbs / copy);
-        b1.release();
       }
       if (ctx == 4096) {
         // The same batch with every sequence's pages in order: does scattering pages cost bandwidth?
@@ -217,10 +219,7 @@ int main() {
         const double gbs = kv_bytes / (us * 1e-6) / 1e9;
         std::printf("%5d %6d %-22s %6d %9.2f %9.0f %7.1f%%\n", B, ctx, "v5 decode, pages in order", plan.max_splits,
                     us, gbs, 100.0 * gbs / copy);
-        bo.release();
       }
-      for (int c = 0; c < copies; ++c) cudaFree(kc[c]), cudaFree(vc[c]);
-      b.release();
     }
   }
 
@@ -230,9 +229,9 @@ int main() {
     Batch b;
     b.build(rng, 1, cached, fresh);
     const size_t n = size_t(b.pages) * kPage * row;
-    uint16_t *kc, *vc;
-    MOELORA_CUDA_CHECK(cudaMalloc(&kc, n * 2));
-    MOELORA_CUDA_CHECK(cudaMalloc(&vc, n * 2));
+    const DeviceArray<uint16_t> kbuf(n), vbuf(n);
+    uint16_t* kc = kbuf.get();
+    uint16_t* vc = vbuf.get();
     fill_kernel<<<1024, 256>>>(kc, n, 3u);
     fill_kernel<<<1024, 256>>>(vc, n, 5u);
     const AttentionPlan plan = attention_plan(b.pos.data(), b.seq.data(), fresh, kHeads, kKvHeads, {});
@@ -243,8 +242,6 @@ int main() {
     double flops = 0;
     for (int t = 0; t < fresh; ++t) flops += 2.0 * kHeads * (cached + t + 1) * (2 * kDim);
     std::printf("cached %5d new %5d: %9.1f us, %6.1f TFLOP/s\n", cached, fresh, us, flops / (us * 1e-6) / 1e12);
-    cudaFree(kc), cudaFree(vc);
-    b.release();
   }
   return 0;
 }

@@ -11,11 +11,15 @@
 #include "backends/cpu/cpu_ops.h"
 #include "backends/cuda/kernels/dense_gemm.cuh"
 #include "backends/cuda/kernels/fp8_quant.cuh"
-#include "dev/dev_util.h"
+#include "gpukit/dense.h"
+#include "gpukit/device_array.h"
+#include "gpukit/numeric.h"
+#include "gpukit/random.h"
+#include "gpukit/timing.h"
 
 using namespace moelora;
 using namespace moelora::cuda;
-using namespace moelora::dev;
+using namespace moelora::gpukit;
 
 namespace {
 
@@ -24,36 +28,36 @@ struct Shape {
   int out, in;
 };
 
+// One weight and its rotation copies (same values at other addresses).
 struct Weights {
   bool fp8;
   int out, in, copies;
-  std::vector<void*> w;
-  std::vector<float*> s;
-  std::vector<float> deq;  // copy 0, exact floats
+  std::vector<DeviceArray<uint8_t>> q;   // fp8 codes
+  std::vector<DeviceArray<float>> s;     // fp8 block scales
+  std::vector<DeviceArray<uint16_t>> b;  // bf16 weights
+  std::vector<float> deq;  // exact floats
+  const void* w(int c) const { return fp8 ? static_cast<const void*>(q[c].get()) : b[c].get(); }
+  float* scale(int c) const { return fp8 ? s[c].get() : nullptr; }
 };
 
-Weights make_weights(HostRng& r, bool fp8, int out, int in) {
-  Weights W{fp8, out, in, 0, {}, {}, {}};
-  const size_t bytes = static_cast<size_t>(out) * in * (fp8 ? 1 : 2);
-  W.copies = rotation_copies(bytes);
-  size_t sbytes = 0;
+Weights make_weights(FastRng& r, bool fp8, int out, int in) {
+  Weights W{fp8, out, in, 0, {}, {}, {}, {}};
+  W.copies = rotation_copies(static_cast<size_t>(out) * in * (fp8 ? 1 : 2));
   if (fp8) {
     std::vector<uint8_t> q;
-    std::vector<float> s;
-    random_fp8(r, out, in, q, s);
+    std::vector<float> s(static_cast<size_t>((out + 127) / 128) * ((in + 127) / 128));
+    random_fp8(r, q, s, out, in);
     W.deq.resize(q.size());
     cpu::dequantize_fp8_block(q.data(), out, in, s.data(), 128, 128, 0, W.deq.data());
-    W.w.push_back(to_device(q));
-    W.s.push_back(to_device(s));
-    sbytes = s.size() * sizeof(float);
+    W.q.emplace_back(q);
+    W.s.emplace_back(s);
+    for (int c = 1; c < W.copies; ++c) {
+      W.q.push_back(W.q[0].clone());
+      W.s.push_back(W.s[0].clone());
+    }
   } else {
-    std::vector<uint16_t> b = random_bf16(r, static_cast<size_t>(out) * in, 1.0f / std::sqrt(float(in)), &W.deq);
-    W.w.push_back(to_device(b));
-    W.s.push_back(nullptr);
-  }
-  for (int c = 1; c < W.copies; ++c) {
-    W.w.push_back(clone_device(W.w[0], bytes));
-    W.s.push_back(fp8 ? static_cast<float*>(clone_device(W.s[0], sbytes)) : nullptr);
+    W.b.emplace_back(random_bf16(r, static_cast<size_t>(out) * in, 1.0f / std::sqrt(float(in)), &W.deq));
+    for (int c = 1; c < W.copies; ++c) W.b.push_back(W.b[0].clone());
   }
   return W;
 }
@@ -63,7 +67,7 @@ DenseArgs args_for(const Weights& W, int c, const __nv_bfloat16* x, int M, __nv_
   a.x = x;
   a.ld_x = W.in;
   a.M = M;
-  a.w = DenseWeight{W.w[c], W.fp8 ? WeightType::kFP8E4M3 : WeightType::kBF16, W.out, W.in, W.s[c]};
+  a.w = DenseWeight{W.w(c), W.fp8 ? WeightType::kFP8E4M3 : WeightType::kBF16, W.out, W.in, W.scale(c)};
   a.y = y;
   a.ld_y = W.out;
   return a;
@@ -98,16 +102,17 @@ bool launch(Version v, DenseGemmContext& ctx, const DenseArgs& a, uint8_t* xq, f
 int main() {
   const double copy = print_ceilings("dense_gemm");
   DenseGemmContext ctx;
-  HostRng rng(2026);
+  FastRng rng(2026);
   const int kMaxM = 4096;
   std::vector<float> xv;
-  __nv_bfloat16* x = reinterpret_cast<__nv_bfloat16*>(to_device(random_bf16(rng, size_t(kMaxM) * 4096, 1.0f, &xv)));
-  __nv_bfloat16* y;
-  MOELORA_CUDA_CHECK(cudaMalloc(&y, size_t(kMaxM) * 8192 * 2));
-  uint8_t* xq;
-  float* xs;
-  MOELORA_CUDA_CHECK(cudaMalloc(&xq, size_t(kMaxM) * 8192));
-  MOELORA_CUDA_CHECK(cudaMalloc(&xs, size_t(kMaxM) * 64 * 4));
+  const DeviceArray<uint16_t> xbuf(random_bf16(rng, size_t(kMaxM) * 4096, 1.0f, &xv));
+  const DeviceArray<uint16_t> ybuf(size_t(kMaxM) * 8192);
+  const DeviceArray<uint8_t> xqbuf(size_t(kMaxM) * 8192);
+  const DeviceArray<float> xsbuf(size_t(kMaxM) * 64);
+  const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(xbuf.get());
+  __nv_bfloat16* y = reinterpret_cast<__nv_bfloat16*>(ybuf.get());
+  uint8_t* xq = xqbuf.get();
+  float* xs = xsbuf.get();
 
   // Matrix-unit ceilings through cuBLASLt at 4096 x 4096 x 4096.
   {
@@ -117,8 +122,6 @@ int main() {
       const double us = time_graph_us([&](cudaStream_t s, int) { launch(kLt, ctx, a, xq, xs, s); }, 1, 10);
       std::printf("# cuBLASLt %s 4096^3 (incl. activation quantisation for fp8): %.1f us = %.0f TFLOP/s\n",
                   fp8 ? "fp8 block-scaled" : "bf16", us, 2.0 * 4096.0 * 4096 * 4096 / (us * 1e-6) / 1e12);
-      for (void* p : W.w) cudaFree(p);
-      for (float* p : W.s) cudaFree(p);
     }
   }
 
@@ -131,18 +134,10 @@ int main() {
       // Check every version at M = 8 against the CPU reference.
       {
         const int M = 8;
-        std::vector<float> ref(size_t(M) * sh.out), refq(size_t(M) * sh.out), xq_ref(size_t(M) * sh.in);
+        std::vector<float> ref(size_t(M) * sh.out), refq(size_t(M) * sh.out);
         cpu::linear(xv.data(), 4096, M, W.deq.data(), sh.out, sh.in, ref.data(), sh.out);
         // What W8A8 multiplies: activations quantised per token per 128 channels.
-        std::vector<float> xm(size_t(M) * sh.in);
-        for (int t = 0; t < M; ++t)
-          for (int k = 0; k < sh.in; ++k) xm[t * sh.in + k] = xv[t * 4096 + k];
-        std::vector<uint8_t> qq(xm.size());
-        std::vector<float> qs(size_t(M) * ((sh.in + 127) / 128));
-        cpu::quantize_fp8_per_token_group(xm.data(), M, sh.in, 128, qq.data(), qs.data());
-        for (int t = 0; t < M; ++t)
-          for (int k = 0; k < sh.in; ++k)
-            xq_ref[t * sh.in + k] = fp8e4m3_to_f32(qq[t * sh.in + k]) * qs[t * ((sh.in + 127) / 128) + k / 128];
+        const std::vector<float> xq_ref = fp8_activation_round_trip(xv.data(), 4096, M, sh.in);
         cpu::linear(xq_ref.data(), sh.in, M, W.deq.data(), sh.out, sh.in, refq.data(), sh.out);
         DenseArgs a = args_for(W, 0, x, M, y);
         a.ld_x = 4096;
@@ -150,7 +145,7 @@ int main() {
           MOELORA_CUDA_CHECK(cudaMemset(y, 0xff, size_t(M) * sh.out * 2));
           if (!launch(Version(v), ctx, a, xq, xs, nullptr)) continue;
           MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-          const auto got = bf16_to_float(to_host(reinterpret_cast<uint16_t*>(y), size_t(M) * sh.out));
+          const auto got = from_bf16(ybuf.download(size_t(M) * sh.out));
           const bool w8a8 = fp8 && v == kLt;
           std::printf("# check %s %s %s M=8: max row rel err %.2e (vs %s reference)\n", sh.name, fp8 ? "fp8" : "bf16",
                       kVersionName[v], max_row_rel(got, w8a8 ? refq : ref, M, sh.out), w8a8 ? "W8A8" : "exact");
@@ -174,8 +169,6 @@ int main() {
                       us / floor_us);
         }
       }
-      for (void* p : W.w) cudaFree(p);
-      for (float* p : W.s) cudaFree(p);
     }
   }
   // Prefill sizes: the dispatcher (cuBLASLt) in TFLOP/s.
@@ -188,8 +181,6 @@ int main() {
       std::printf("q_proj %-5s M=%5d %9.2f us %7.0f TFLOP/s\n", fp8 ? "fp8" : "bf16", M, us,
                   2.0 * M * 4096.0 * 2048 / (us * 1e-6) / 1e12);
     }
-    for (void* p : W.w) cudaFree(p);
-    for (float* p : W.s) cudaFree(p);
   }
   return 0;
 }

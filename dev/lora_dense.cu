@@ -12,11 +12,15 @@
 #include "backends/cpu/cpu_ops.h"
 #include "backends/cuda/kernels/lora_dense.cuh"
 #include "core/tensor.h"
-#include "dev/dev_util.h"
+#include "gpukit/dense.h"
+#include "gpukit/device_array.h"
+#include "gpukit/numeric.h"
+#include "gpukit/random.h"
+#include "gpukit/timing.h"
 
 using namespace moelora;
 using namespace moelora::cuda;
-using namespace moelora::dev;
+using namespace moelora::gpukit;
 
 namespace {
 
@@ -27,14 +31,12 @@ struct ProjShape {
 // One rotation copy of the adapter pool of one projection: N slots of rank r.
 struct Pool {
   std::vector<std::vector<float>> a, b;  // copy 0 only: host values per slot
-  uint16_t* da = nullptr;
-  uint16_t* db = nullptr;
-  int64_t* a_ptrs = nullptr;
-  int64_t* b_ptrs = nullptr;
-  int32_t* ranks = nullptr;
+  DeviceArray<uint16_t> da, db;          // the N slots' A and B, back to back
+  DeviceArray<int64_t> a_ptrs, b_ptrs;
+  DeviceArray<int32_t> ranks;
 };
 
-Pool make_pool(HostRng& rng, int N, int r, const ProjShape& ps) {
+Pool make_pool(FastRng& rng, int N, int r, const ProjShape& ps) {
   Pool p;
   std::vector<uint16_t> A, B;
   const size_t sa = size_t(r) * ps.in, sb = size_t(ps.out) * r;
@@ -47,8 +49,8 @@ Pool make_pool(HostRng& rng, int N, int r, const ProjShape& ps) {
     p.a.push_back(av);
     p.b.push_back(bv);
   }
-  p.da = to_device(A);
-  p.db = to_device(B);
+  p.da = DeviceArray<uint16_t>(A);
+  p.db = DeviceArray<uint16_t>(B);
   return p;
 }
 
@@ -57,52 +59,49 @@ void set_tables(Pool& p, int N, int r, const ProjShape& ps) {
   const size_t sa = size_t(r) * ps.in, sb = size_t(ps.out) * r;
   std::vector<int64_t> ap(N), bp(N);
   for (int s = 0; s < N; ++s) {
-    ap[s] = reinterpret_cast<int64_t>(p.da + s * sa);
-    bp[s] = reinterpret_cast<int64_t>(p.db + s * sb);
+    ap[s] = reinterpret_cast<int64_t>(p.da.get() + s * sa);
+    bp[s] = reinterpret_cast<int64_t>(p.db.get() + s * sb);
   }
-  p.a_ptrs = to_device(ap);
-  p.b_ptrs = to_device(bp);
-  p.ranks = to_device(std::vector<int32_t>(N, r));
+  p.a_ptrs = DeviceArray<int64_t>(ap);
+  p.b_ptrs = DeviceArray<int64_t>(bp);
+  p.ranks = DeviceArray<int32_t>(std::vector<int32_t>(N, r));
 }
 
 // Rotation copy: same values at other addresses.
 Pool clone_pool(const Pool& src, int N, int r, const ProjShape& ps) {
   Pool p;
-  p.da = static_cast<uint16_t*>(clone_device(src.da, size_t(N) * r * ps.in * 2));
-  p.db = static_cast<uint16_t*>(clone_device(src.db, size_t(N) * r * ps.out * 2));
+  p.da = src.da.clone();
+  p.db = src.db.clone();
   set_tables(p, N, r, ps);
   return p;
-}
-
-void free_pool(Pool& p) {
-  cudaFree(p.da);
-  cudaFree(p.db);
-  cudaFree(p.a_ptrs);
-  cudaFree(p.b_ptrs);
-  cudaFree(p.ranks);
 }
 
 }  // namespace
 
 int main() {
   const double copy = print_ceilings("lora_dense");
-  HostRng rng(7);
+  FastRng rng(7);
   LoraContext ctx;
   const int kMaxT = 256;
   std::vector<float> xv;
-  auto* x = reinterpret_cast<__nv_bfloat16*>(to_device(random_bf16(rng, size_t(kMaxT) * 4096, 1.0f, &xv)));
+  const DeviceArray<uint16_t> xbuf(random_bf16(rng, size_t(kMaxT) * 4096, 1.0f, &xv));
+  auto* x = reinterpret_cast<__nv_bfloat16*>(xbuf.get());
   struct Set {
     const char* name;
     std::vector<ProjShape> proj;
   };
   const Set sets[] = {{"qkv", {{2048, 4096}, {2048, 512}, {2048, 512}}}, {"q", {{2048, 4096}}}, {"o", {{4096, 2048}}}};
-  std::vector<__nv_bfloat16*> y(3);
-  for (auto& p : y) MOELORA_CUDA_CHECK(cudaMalloc(&p, size_t(kMaxT) * 4096 * 2));
-  void* meta;
-  MOELORA_CUDA_CHECK(cudaMalloc(&meta, lora_meta_bytes(4096, kMaxT)));
-  void* scratch;
+  std::vector<DeviceArray<uint16_t>> ybuf;
+  std::vector<__nv_bfloat16*> y;
+  for (int p = 0; p < 3; ++p) {
+    ybuf.emplace_back(size_t(kMaxT) * 4096);
+    y.push_back(reinterpret_cast<__nv_bfloat16*>(ybuf.back().get()));
+  }
+  const DeviceArray<uint8_t> metabuf(lora_meta_bytes(4096, kMaxT));
+  void* meta = metabuf.get();
   const size_t scratch_bytes = size_t(8) << 20;
-  MOELORA_CUDA_CHECK(cudaMalloc(&scratch, scratch_bytes));
+  const DeviceArray<uint8_t> scratchbuf(scratch_bytes);
+  void* scratch = scratchbuf.get();
 
   std::printf("\n%-4s %4s %3s %3s %-22s %9s %9s %7s %9s %s\n", "set", "T", "N", "r", "version", "us", "floor_us",
               "x_floor", "us/proj", "target");
@@ -117,7 +116,8 @@ int main() {
           double pool_bytes = 0;
           for (auto& ps : set.proj) pool_bytes += double(N) * r * (ps.in + ps.out) * 2;
           const int copies = rotation_copies(static_cast<size_t>(pool_bytes));
-          std::vector<std::vector<Pool>> pools(copies, std::vector<Pool>(P));
+          std::vector<std::vector<Pool>> pools(copies);
+          for (auto& cp : pools) cp.resize(P);
           std::vector<std::vector<int>> host_rank(P, std::vector<int>(N, r));
           for (int p = 0; p < P; ++p) {
             pools[0][p] = make_pool(rng, N, r, set.proj[p]);
@@ -128,7 +128,8 @@ int main() {
             std::vector<LoraProblem> v(P);
             for (int p = 0; p < P; ++p)
               v[p] = LoraProblem{x, set.proj[p].in, y[p], set.proj[p].out, set.proj[p].in, set.proj[p].out, N,
-                                 pools[c][p].a_ptrs, pools[c][p].b_ptrs, pools[c][p].ranks, host_rank[p].data()};
+                                 pools[c][p].a_ptrs.get(), pools[c][p].b_ptrs.get(), pools[c][p].ranks.get(),
+                                 host_rank[p].data()};
             return v;
           };
           std::vector<int32_t> slot(T);
@@ -152,21 +153,14 @@ int main() {
             MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
             for (int p = 0; p < P; ++p) {
               const auto& ps = set.proj[p];
-              LoraModuleTable tab;
-              tab.num_slots = N, tab.in = ps.in, tab.out = ps.out;
-              tab.a_ptrs = Tensor::empty_host(DType::kI64, {N});
-              tab.b_ptrs = Tensor::empty_host(DType::kI64, {N});
-              tab.ranks = Tensor::empty_host(DType::kI32, {N});
-              for (int s = 0; s < N; ++s) {
-                tab.a_ptrs.ptr<int64_t>()[s] = reinterpret_cast<int64_t>(pools[0][p].a[s].data());
-                tab.b_ptrs.ptr<int64_t>()[s] = reinterpret_cast<int64_t>(pools[0][p].b[s].data());
-                tab.ranks.ptr<int32_t>()[s] = r;
-              }
+              std::vector<const float*> ah, bh;
+              for (int s = 0; s < N; ++s) ah.push_back(pools[0][p].a[s].data()), bh.push_back(pools[0][p].b[s].data());
+              const LoraModuleTable tab = host_lora_table(ps.in, ps.out, ah, bh, std::vector<int>(N, r));
               std::vector<float> xin(size_t(T) * ps.in), ref(size_t(T) * ps.out, 0.0f);
               for (int t = 0; t < T; ++t)
                 for (int k = 0; k < ps.in; ++k) xin[t * ps.in + k] = xv[size_t(t) * ps.in + k];
               cpu::lora_add(xin.data(), ps.in, T, slot.data(), tab, ref.data(), ps.out);
-              const auto got = bf16_to_float(to_host(reinterpret_cast<uint16_t*>(y[p]), size_t(T) * ps.out));
+              const auto got = from_bf16(ybuf[p].download(size_t(T) * ps.out));
               std::printf("# check %s r=%d T=%d N=%d proj %d (%s): max row rel err %.2e\n", set.name, r, T, N, p,
                           plan.single_adapter ? "cuBLAS single" : "segmented", max_row_rel(got, ref, T, ps.out));
             }
@@ -202,21 +196,20 @@ int main() {
           }
           if (P > 1) {
             // Per-projection launches need their own metadata: upload them side by side.
-            std::vector<void*> metas(P);
+            std::vector<DeviceArray<uint8_t>> metas;
             for (int p = 0; p < P; ++p) {
-              MOELORA_CUDA_CHECK(cudaMalloc(&metas[p], lora_meta_bytes(per_proj[p].capacity, T)));
-              lora_upload_plan(per_proj[p], metas[p], lora_meta_bytes(per_proj[p].capacity, T), nullptr);
+              metas.emplace_back(lora_meta_bytes(per_proj[p].capacity, T));
+              lora_upload_plan(per_proj[p], metas[p].get(), metas[p].size(), nullptr);
             }
             report("v2 segmented per-proj", time_graph_us(
                                                 [&](cudaStream_t s, int c) {
                                                   auto pr = problems(c);
                                                   for (int p = 0; p < P; ++p)
-                                                    launch_lora_segmented(&pr[p], 1, per_proj[p].cluster, metas[p],
+                                                    launch_lora_segmented(&pr[p], 1, per_proj[p].cluster, metas[p].get(),
                                                                           per_proj[p].num_items, s);
                                                 },
                                                 copies));
             MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-            for (void* m : metas) cudaFree(m);
           }
           if (single.single_adapter) {
             report("v3 cuBLAS single", time_graph_us(
@@ -226,8 +219,6 @@ int main() {
                                            },
                                            copies));
           }
-          for (auto& cp : pools)
-            for (auto& pl : cp) free_pool(pl);
         }
       }
     }

@@ -20,12 +20,15 @@
 #include <utility>
 #include <vector>
 
-#include "dev/bench_common.h"
-#include "tests/ops/moe_test_util.h"
+#include "gpukit/device_array.h"
+#include "gpukit/moe.h"
+#include "gpukit/numeric.h"
+#include "gpukit/random.h"
+#include "gpukit/timing.h"
 
 using namespace moelora;
 using namespace moelora::cuda;
-using namespace moelora::ops_test;
+using namespace moelora::gpukit;
 
 namespace {
 
@@ -46,9 +49,9 @@ const Version kV1{"v1", false, false}, kV2{"v2", true, true}, kV3{"v3", true, tr
 struct Copy {
   DeviceExperts ex;
   DeviceLora lora;
-  DevBuf<uint16_t> x, out;
-  DevBuf<float> logits, w;
-  DevBuf<int32_t> ids, slot1, slot8;
+  DeviceArray<uint16_t> x, out;
+  DeviceArray<float> logits, w;
+  DeviceArray<int32_t> ids, slot1, slot8;
 };
 
 struct Bench {
@@ -57,7 +60,7 @@ struct Bench {
   std::vector<HostLoraSlot> hl;
   std::vector<Copy> copies;
   std::vector<std::vector<float>> hx, hlogits;
-  DevBuf<uint8_t> wsbuf;
+  DeviceArray<uint8_t> wsbuf;
   MoeWorkspace ws;
   cudaStream_t side;
   cudaEvent_t ev[4];
@@ -66,7 +69,7 @@ struct Bench {
     hex.shape = shape;
     hex.fp8 = true;
     hex.generate(1234);
-    Bits b(99);
+    FastRng b(99);
     for (int s = 0; s < kSlots; ++s) {
       HostLoraSlot l;
       l.gu_rank = l.d_rank = kRank;
@@ -80,24 +83,22 @@ struct Bench {
       Copy& cp = copies[c];
       cp.ex.upload(hex);
       cp.lora.upload(hl, shape);
-      Bits r(1000 + c);
+      FastRng r(1000 + c);
       std::vector<float> x(static_cast<size_t>(kMaxT) * kH), lg(static_cast<size_t>(kMaxT) * kE);
-      for (auto& v : x) v = bf16_to_f32(f32_to_bf16(r.normalish()));
-      for (auto& v : lg) v = 2.0f * r.normalish();
-      std::vector<uint16_t> xb(x.size());
-      for (size_t i = 0; i < x.size(); ++i) xb[i] = f32_to_bf16(x[i]);
-      cp.x = DevBuf<uint16_t>(xb);
-      cp.out = DevBuf<uint16_t>(static_cast<size_t>(kMaxT) * kH);
-      cp.logits = DevBuf<float>(lg);
-      cp.ids = DevBuf<int32_t>(static_cast<size_t>(kMaxT) * kK);
-      cp.w = DevBuf<float>(static_cast<size_t>(kMaxT) * kK);
-      cp.slot1 = DevBuf<int32_t>(s1);
-      cp.slot8 = DevBuf<int32_t>(s8);
+      for (auto& v : x) v = bf16_to_f32(f32_to_bf16(r.normal()));
+      for (auto& v : lg) v = 2.0f * r.normal();
+      cp.x = DeviceArray<uint16_t>(to_bf16(x));
+      cp.out = DeviceArray<uint16_t>(static_cast<size_t>(kMaxT) * kH);
+      cp.logits = DeviceArray<float>(lg);
+      cp.ids = DeviceArray<int32_t>(static_cast<size_t>(kMaxT) * kK);
+      cp.w = DeviceArray<float>(static_cast<size_t>(kMaxT) * kK);
+      cp.slot1 = DeviceArray<int32_t>(s1);
+      cp.slot8 = DeviceArray<int32_t>(s8);
       hx.push_back(std::move(x));
       hlogits.push_back(std::move(lg));
     }
     MoeLoraShape ls{kSlots, kRank};
-    wsbuf = DevBuf<uint8_t>(moe_workspace_bytes(shape, &ls));
+    wsbuf = DeviceArray<uint8_t>(moe_workspace_bytes(shape, &ls));
     ws = moe_workspace_carve(wsbuf.get(), shape, &ls);
     MOELORA_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
     for (auto& e : ev) MOELORA_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -137,24 +138,13 @@ struct Bench {
     moe_forward(a, ws, st);
   }
 
-  std::vector<float> out_of(int c, int T) {
-    std::vector<uint16_t> h(static_cast<size_t>(T) * kH);
-    MOELORA_CUDA_CHECK(cudaMemcpy(h.data(), copies[c].out.get(), h.size() * 2, cudaMemcpyDeviceToHost));
-    std::vector<float> f(h.size());
-    for (size_t i = 0; i < h.size(); ++i) f[i] = bf16_to_f32(h[i]);
-    return f;
-  }
-  template <typename T>
-  std::vector<T> dl(const DevBuf<T>& b, size_t n) {
-    std::vector<T> h(n);
-    MOELORA_CUDA_CHECK(cudaMemcpy(h.data(), b.get(), n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
+  std::vector<float> out_of(int c, int T) { return from_bf16(copies[c].out.download(static_cast<size_t>(T) * kH)); }
 };
 
-// SM-driven streaming ceilings (the graph memcpy node of bench_common's measure_copy_gbps read
-// 2.7 TB/s on run 1, below what kernels reach): copy (read + write) and read-only, 4 x 16-byte
-// loads in flight per thread.
+// SM-driven streaming ceilings (the graph memcpy node of gpukit's measure_copy_gbps read 2.7 TB/s
+// on run 1, below what kernels reach): copy (read + write) and read-only, 4 x 16-byte loads in
+// flight per thread. Kept here rather than gpukit's measure_copy_kernel_gbps: this copy kernel
+// (8 blocks of 256 per SM, 2 GiB) is the one the MoE floors in bench/RESULTS.md were measured with.
 __global__ void copy_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, size_t n) {
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n; i += 4 * stride) {
@@ -183,44 +173,27 @@ __global__ void read_kernel(const uint4* __restrict__ src, size_t n, unsigned* s
 // Returns {copy GB/s counting read + write, read-only GB/s} on 2 GiB.
 std::pair<double, double> measure_kernel_bw(int sms) {
   const size_t bytes = size_t(2) << 30, n = bytes / 16;
-  DevBuf<uint4> a(n), b(n);
-  DevBuf<unsigned> sink(1);
+  DeviceArray<uint4> a(n), b(n);
+  DeviceArray<unsigned> sink(1);
   MOELORA_CUDA_CHECK(cudaMemset(a.get(), 1, bytes));
   const dim3 grid(sms * 8), block(256);
-  const double tc = dev::time_graph_us([&](cudaStream_t s, int) { copy_kernel<<<grid, block, 0, s>>>(a.get(), b.get(), n); }, 1, 10);
-  const double tr = dev::time_graph_us([&](cudaStream_t s, int) { read_kernel<<<grid, block, 0, s>>>(a.get(), n, sink.get()); }, 1, 10);
+  const double tc = time_graph_us([&](cudaStream_t s, int) { copy_kernel<<<grid, block, 0, s>>>(a.get(), b.get(), n); }, 1, 10);
+  const double tr = time_graph_us([&](cudaStream_t s, int) { read_kernel<<<grid, block, 0, s>>>(a.get(), n, sink.get()); }, 1, 10);
   MOELORA_CUDA_CHECK(cudaGetLastError());
   return {2.0 * bytes / (tc * 1e-6) / 1e9, bytes / (tr * 1e-6) / 1e9};
-}
-
-double rel_err(const std::vector<float>& a, const std::vector<float>& b, int rows, int cols, bool* finite) {
-  double worst = 0;
-  *finite = true;
-  for (int r = 0; r < rows; ++r) {
-    double num = 0, den = 0;
-    for (int j = 0; j < cols; ++j) {
-      const double x = a[static_cast<size_t>(r) * cols + j], y = b[static_cast<size_t>(r) * cols + j];
-      if (!std::isfinite(x)) *finite = false;
-      num += (x - y) * (x - y);
-      den += y * y;
-    }
-    worst = std::max(worst, std::sqrt(num / std::max(den, 1e-30)));
-  }
-  return worst;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const bool regimes_only = argc > 1 && std::string(argv[1]) == "regimes";
-  int dev_count = 0;
-  if (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0) {
+  if (!gpu_available()) {
     std::printf("no CUDA device\n");
     return 0;
   }
   cudaDeviceProp prop{};
   MOELORA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  const double bw_memcpy = dev::measure_copy_gbps();  // GB/s, bytes read + written (graph memcpy node)
+  const double bw_memcpy = measure_copy_gbps();  // GB/s, bytes read + written (graph memcpy node)
   const auto [bw_copy, bw_read] = measure_kernel_bw(prop.multiProcessorCount);
   // The floor's bandwidth: the copy kernel's (read + write), as performance-floors.md measures it.
   const double bw = bw_copy;
@@ -254,15 +227,15 @@ int main(int argc, char** argv) {
       const int T = 3;
       b.launch(nullptr, 0, T, *v, adapters);
       MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-      const auto ids = b.dl(b.copies[0].ids, T * kK);
-      const auto w = b.dl(b.copies[0].w, T * kK);
+      const auto ids = b.copies[0].ids.download(T * kK);
+      const auto w = b.copies[0].w.download(T * kK);
       std::vector<int32_t> slots(T);
       for (int t = 0; t < T; ++t) slots[t] = t % kSlots;
       std::vector<float> x(b.hx[0].begin(), b.hx[0].begin() + static_cast<size_t>(T) * kH);
       const MoeReference ref = moe_reference(b.hex, x, T, ids, w, adapters ? &slots : nullptr, adapters ? &b.hl : nullptr);
-      bool finite;
-      const double e = rel_err(b.out_of(0, T), ref.out, T, kH, &finite);
-      const bool pass = finite && e <= 1e-2;
+      const Comparison cmp = compare_rows(b.out_of(0, T), ref.out, T, kH);
+      const double e = cmp.worst_rel;
+      const bool pass = !cmp.non_finite && e <= 1e-2;
       ok &= pass;
       std::printf("check %s %-8s T=%d: rel err %.2e %s\n", v->name, adapters ? "8 LoRA" : "base", T, e, pass ? "ok" : "FAIL");
     }
@@ -303,22 +276,20 @@ int main(int argc, char** argv) {
       b.launch(nullptr, 0, T, v, 8);
       MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
       const auto out = b.out_of(0, T);
-      std::vector<uint16_t> act16(static_cast<size_t>(T) * kK * kI);
-      MOELORA_CUDA_CHECK(cudaMemcpy(act16.data(), b.ws.act, act16.size() * 2, cudaMemcpyDeviceToHost));
-      std::vector<float> act(act16.size());
-      for (size_t i = 0; i < act.size(); ++i) act[i] = bf16_to_f32(act16[i]);
-      const auto ids = b.dl(b.copies[0].ids, T * kK);
-      const auto w = b.dl(b.copies[0].w, T * kK);
+      const std::vector<float> act =
+          from_bf16(download(reinterpret_cast<const uint16_t*>(b.ws.act), static_cast<size_t>(T) * kK * kI));
+      const auto ids = b.copies[0].ids.download(T * kK);
+      const auto w = b.copies[0].w.download(T * kK);
       std::vector<int32_t> slots(T);
       for (int t = 0; t < T; ++t) slots[t] = t % kSlots;
       std::vector<float> x(b.hx[0].begin(), b.hx[0].begin() + static_cast<size_t>(T) * kH);
       const MoeReference ref = moe_reference(b.hex, x, T, ids, w, &slots, &b.hl, &act, /*fp8_activations=*/true);
-      bool finite;
-      const double e = rel_err(out, ref.out_from_down_input, T, kH, &finite);
-      const bool pass = finite && e <= 1e-2;
+      const Comparison cmp = compare_rows(out, ref.out_from_down_input, T, kH);
+      const double e = cmp.worst_rel;
+      const bool pass = !cmp.non_finite && e <= 1e-2;
       ok &= pass;
       std::printf("check W8A8 tile %d, 8 LoRA, T=%d: rel err %.2e (vs the reference from exact act: %.2e) %s\n",
-                  moe_gemm_tile_rows(static_cast<MoeGemmTile>(tl)), T, e, rel_err(out, ref.out, T, kH, &finite),
+                  moe_gemm_tile_rows(static_cast<MoeGemmTile>(tl)), T, e, compare_rows(out, ref.out, T, kH).worst_rel,
                   pass ? "ok" : "FAIL");
     }
   std::printf("checks %s\n", ok ? "passed" : "FAILED");
@@ -331,7 +302,7 @@ int main(int argc, char** argv) {
         Version v = kV2;
         v.tile = tl;
         v.act8 = a8;
-        t[a8][tl] = dev::time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, v, 0); }, ncopies, 30);
+        t[a8][tl] = time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, v, 0); }, ncopies, 30);
       }
     const cuda_plan::MoeTuning def = cuda_plan::choose_moe_tuning(cuda_plan::MoeProblem{T, kK, kE, kH, kI});
     std::printf("%4d | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | tile %d %s\n", T, t[0][0], t[0][1],
@@ -353,7 +324,7 @@ int main(int argc, char** argv) {
     for (int c = 0; c < ncopies; ++c) {
       b.launch(nullptr, c, T, kV2, 0);
       MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-      const auto ids = b.dl(b.copies[c].ids, static_cast<size_t>(T) * kK);
+      const auto ids = b.copies[c].ids.download(static_cast<size_t>(T) * kK);
       std::set<int> d;
       std::set<std::pair<int, int>> p8;
       for (int i = 0; i < T * kK; ++i) {
@@ -368,7 +339,7 @@ int main(int argc, char** argv) {
     r.floor1 = r.floor + r.P1 * lora_pair_bytes / (bw * 1e3);
     r.floor8 = r.floor + r.P8 * lora_pair_bytes / (bw * 1e3);
     auto timed = [&](const Version& v, int adapters) {
-      return dev::time_graph_us([&](cudaStream_t s, int c) { b.launch(s, c, T, v, adapters); }, ncopies, 30);
+      return time_graph_us([&](cudaStream_t s, int c) { b.launch(s, c, T, v, adapters); }, ncopies, 30);
     };
     r.v1 = timed(kV1, 0);
     r.v2 = timed(kV2, 0);
@@ -386,7 +357,7 @@ int main(int argc, char** argv) {
   for (int T : {1, 8, 64, 256}) {
     double t[4];
     for (int s = 1; s <= 4; ++s)
-      t[s - 1] = dev::time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, kV2, 0, s == 4 ? 0 : s); },
+      t[s - 1] = time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, kV2, 0, s == 4 ? 0 : s); },
                                     ncopies, 30);
     std::printf("%4d | %6.1f | %6.1f | %6.1f | %6.1f\n", T, t[0], t[1], t[2], t[3]);
   }
@@ -398,7 +369,7 @@ int main(int argc, char** argv) {
     for (int tl = 0; tl < 4; ++tl) {
       Version v = kV2;
       v.tile = tl;
-      t[tl] = dev::time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, v, 0); }, ncopies, 30);
+      t[tl] = time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, v, 0); }, ncopies, 30);
     }
     std::printf("%4d | %6.1f | %6.1f | %6.1f | %6.1f   default %d\n", T, t[0], t[1], t[2], t[3],
                 moe_gemm_tile_rows(cuda_plan::choose_moe_gemm_tile(T, kK, kE, kH, kI)));
@@ -410,19 +381,19 @@ int main(int argc, char** argv) {
   std::printf("\nprefill (base, v2, one weight copy): T | regime | us | TFLOP/s (2*T*k*3*H*I)\n");
   {
     MoeShape ps{8192, kK, kE, kH, kI};
-    DevBuf<uint8_t> pws(moe_workspace_bytes(ps, nullptr));
+    DeviceArray<uint8_t> pws(moe_workspace_bytes(ps, nullptr));
     MoeWorkspace w2 = moe_workspace_carve(pws.get(), ps, nullptr);
-    DevBuf<uint16_t> px(static_cast<size_t>(8192) * kH), pout(static_cast<size_t>(8192) * kH);
-    DevBuf<float> plog(static_cast<size_t>(8192) * kE), pw(static_cast<size_t>(8192) * kK);
-    DevBuf<int32_t> pids(static_cast<size_t>(8192) * kK);
+    DeviceArray<uint16_t> px(static_cast<size_t>(8192) * kH), pout(static_cast<size_t>(8192) * kH);
+    DeviceArray<float> plog(static_cast<size_t>(8192) * kE), pw(static_cast<size_t>(8192) * kK);
+    DeviceArray<int32_t> pids(static_cast<size_t>(8192) * kK);
     {
-      Bits r(7);
+      FastRng r(7);
       std::vector<uint16_t> xb(px.size());
-      for (auto& v : xb) v = f32_to_bf16(r.normalish());
+      for (auto& v : xb) v = f32_to_bf16(r.normal());
       std::vector<float> lg(plog.size());
-      for (auto& v : lg) v = 2.0f * r.normalish();
-      MOELORA_CUDA_CHECK(cudaMemcpy(px.get(), xb.data(), xb.size() * 2, cudaMemcpyHostToDevice));
-      MOELORA_CUDA_CHECK(cudaMemcpy(plog.get(), lg.data(), lg.size() * 4, cudaMemcpyHostToDevice));
+      for (auto& v : lg) v = 2.0f * r.normal();
+      px.upload(xb);
+      plog.upload(lg);
     }
     for (int T : {1024, 2048, 8192})
     for (int a8 = 0; a8 < 2; ++a8) {
@@ -446,7 +417,7 @@ int main(int argc, char** argv) {
         a.tuning->act_fp8 = a8 == 1;
         moe_forward(a, w2, MoeStreams{s});
       };
-      const double us = dev::time_graph_us(run, 1, 10);
+      const double us = time_graph_us(run, 1, 10);
       std::printf("%5d | %s | %8.1f | %6.1f\n", T, a8 ? "W8A8 " : "W8A16", us,
                   2.0 * T * kK * 3.0 * kH * kI / (us * 1e-6) / 1e12);
     }

@@ -7,7 +7,8 @@
 
 #include "backends/cuda/kernels/attention.cuh"
 #include "core/tensor.h"
-#include "tests/ops/dense_test_util.h"
+#include "gpukit/dense.h"
+#include "tests/ops/op_suite.h"
 
 namespace moelora::ops_test {
 namespace {

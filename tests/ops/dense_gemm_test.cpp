@@ -2,7 +2,8 @@
 // Small-M kernel (W8A16 / bf16), naive kernel, and the dispatcher's cuBLASLt paths (FP8 W8A8 is
 // compared with the reference fed the same quantised activations).
 #include "backends/cuda/kernels/dense_gemm.cuh"
-#include "tests/ops/dense_test_util.h"
+#include "gpukit/dense.h"
+#include "tests/ops/op_suite.h"
 
 namespace moelora::ops_test {
 namespace {
@@ -81,12 +82,7 @@ TEST_P(Dense, MatchesCpu) {
   cpu::linear(x.host.data(), c.in, c.M, wref.data(), c.out, c.in, ref.data(), c.out);
   const bool maybe_w8a8 = c.fp8 && c.path == Path::kDispatch;
   if (maybe_w8a8) {
-    const int groups = (c.in + 127) / 128;
-    std::vector<uint8_t> q(x.host.size());
-    std::vector<float> s(static_cast<size_t>(c.M) * groups), xq(x.host.size());
-    cpu::quantize_fp8_per_token_group(x.host.data(), c.M, c.in, 128, q.data(), s.data());
-    for (int t = 0; t < c.M; ++t)
-      for (int k = 0; k < c.in; ++k) xq[t * c.in + k] = fp8e4m3_to_f32(q[t * c.in + k]) * s[t * groups + k / 128];
+    const std::vector<float> xq = fp8_activation_round_trip(x.host.data(), c.in, c.M, c.in);
     ref_q.resize(ref.size());
     cpu::linear(xq.data(), c.in, c.M, wref.data(), c.out, c.in, ref_q.data(), c.out);
   }

@@ -4,7 +4,8 @@
 
 #include "backends/cuda/kernels/elementwise.cuh"
 #include "backends/cuda/kernels/fp8_quant.cuh"
-#include "tests/ops/dense_test_util.h"
+#include "gpukit/dense.h"
+#include "tests/ops/op_suite.h"
 
 namespace moelora::ops_test {
 namespace {
@@ -181,7 +182,7 @@ void run_case(const EltCase& c) {
     cuda::ConvertParams p2{f.get(), c.cols, back.ptr(), ld, c.T, c.cols};
     cuda::launch_f32_to_bf16(p2, st);
     MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-    EXPECT_EQ(back.download(), bf16_round(src));
+    EXPECT_EQ(back.download(), round_bf16(src));
     EXPECT_TRUE(back.padding_intact() && f.guard_intact());
   } else if (c.op == "FP8_QUANT") {
     // Bit-exact with cpu::quantize_fp8_per_token_group, both scale layouts.

@@ -7,7 +7,8 @@
 
 #include "backends/cuda/kernels/lora_dense.cuh"
 #include "core/tensor.h"
-#include "tests/ops/dense_test_util.h"
+#include "gpukit/dense.h"
+#include "tests/ops/op_suite.h"
 
 namespace moelora::ops_test {
 namespace {
@@ -83,8 +84,8 @@ TEST_P(LoraDense, MatchesCpu) {
     for (int s = 0; s < c.slots; ++s) {
       const int r = rank[p][s];
       Adapter& A = ad[p][s];
-      A.a = bf16_round(rng.normals(static_cast<size_t>(r) * c.in, 1.0f / std::sqrt(static_cast<float>(c.in))));
-      A.b = bf16_round(rng.normals(static_cast<size_t>(out) * r, r ? 1.0f / std::sqrt(static_cast<float>(r)) : 1.0f));
+      A.a = round_bf16(rng.normals(static_cast<size_t>(r) * c.in, 1.0f / std::sqrt(static_cast<float>(c.in))));
+      A.b = round_bf16(rng.normals(static_cast<size_t>(out) * r, r ? 1.0f / std::sqrt(static_cast<float>(r)) : 1.0f));
       A.da = DeviceArray<uint16_t>(to_bf16(A.a));
       A.db = DeviceArray<uint16_t>(to_bf16(A.b));
       ap[s] = r ? reinterpret_cast<int64_t>(A.da.get()) : 0;
@@ -97,18 +98,9 @@ TEST_P(LoraDense, MatchesCpu) {
     y[p].randomize(rng);
     y0[p] = y[p].host;
     // CPU reference on host copies of the same values.
-    LoraModuleTable tab;
-    tab.num_slots = c.slots;
-    tab.in = c.in;
-    tab.out = out;
-    tab.a_ptrs = Tensor::empty_host(DType::kI64, {c.slots});
-    tab.b_ptrs = Tensor::empty_host(DType::kI64, {c.slots});
-    tab.ranks = Tensor::empty_host(DType::kI32, {c.slots});
-    for (int s = 0; s < c.slots; ++s) {
-      tab.a_ptrs.ptr<int64_t>()[s] = reinterpret_cast<int64_t>(ad[p][s].a.data());
-      tab.b_ptrs.ptr<int64_t>()[s] = reinterpret_cast<int64_t>(ad[p][s].b.data());
-      tab.ranks.ptr<int32_t>()[s] = rank[p][s];
-    }
+    std::vector<const float*> ah, bh;
+    for (const Adapter& A : ad[p]) ah.push_back(A.a.data()), bh.push_back(A.b.data());
+    const LoraModuleTable tab = host_lora_table(c.in, out, ah, bh, rank[p]);
     ref[p] = y0[p];
     cpu::lora_add(x.host.data(), c.in, c.T, slot.data(), tab, ref[p].data(), out);
     probs[p] = cuda::LoraProblem{x.ptr(), x.ld, y[p].ptr(), y[p].ld, c.in, out, c.slots,

@@ -3,7 +3,6 @@
 // "none" group when its slot, expert or ranks disqualify it; gate_up shrink tiles cover the
 // per-expert-A pairs and, once per token, the shared-A tokens; no tile exceeds its rows.
 #include <algorithm>
-#include <cctype>
 #include <string>
 #include <vector>
 
@@ -150,9 +149,7 @@ TEST_P(MoeAlign, Groupings) {
 }
 
 std::string align_name(const ::testing::TestParamInfo<AlignCase>& i) {
-  std::string o;
-  for (char ch : i.param.name()) o += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
-  return o;
+  return gtest_safe(i.param.name(), /*trim_trailing=*/false);
 }
 
 INSTANTIATE_TEST_SUITE_P(Moe, MoeAlign,

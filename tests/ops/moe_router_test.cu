@@ -1,7 +1,6 @@
 // Router top-k on the GPU against cpu::topk_softmax / cpu::topk_sigmoid_grouped: ids must match
 // exactly (ties -> lower expert index, DeepSeek group masking to 0.0), weights to f32 rounding.
 #include <algorithm>
-#include <cctype>
 #include <string>
 #include <vector>
 
@@ -32,12 +31,6 @@ struct RouterCase {
     return n + ")";
   }
 };
-
-std::string gtest_name(const std::string& n) {
-  std::string o;
-  for (char c : n) o += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
-  return o;
-}
 
 class Router : public ::testing::TestWithParam<RouterCase> {};
 
@@ -141,7 +134,7 @@ std::vector<RouterCase> router_cases() {
   return v;
 }
 
-std::string router_test_name(const ::testing::TestParamInfo<RouterCase>& i) { return gtest_name(i.param.name()); }
+std::string router_test_name(const ::testing::TestParamInfo<RouterCase>& i) { return gtest_safe(i.param.name(), /*trim_trailing=*/false); }
 
 INSTANTIATE_TEST_SUITE_P(Moe, Router, ::testing::ValuesIn(router_cases()), router_test_name);
 

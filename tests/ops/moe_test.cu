@@ -9,11 +9,11 @@
 // inputs exactly as the GPU does (bit-identical e4m3 and scales), so the same bound holds; a
 // reference without that quantisation would differ by ~3 % per row. NaN/inf never pass
 // (workspace and output are poisoned).
-#include <cctype>
 #include <string>
 #include <vector>
 
-#include "tests/ops/moe_test_util.h"
+#include "backends/cpu/cpu_ops.h"
+#include "gpukit/moe.h"
 #include "tests/ops/op_suite.h"
 
 namespace moelora::ops_test {
@@ -91,7 +91,7 @@ struct Harness {
     ex.fp8 = c.fp8;
     ex.generate(seed_of(c.name()) ^ 0x5eedull);
     dex.upload(ex);
-    Bits b(seed_of(c.name()) ^ 0x10a4ull);
+    FastRng b(seed_of(c.name()) ^ 0x10a4ull);
     for (int s = 0; s < c.slots; ++s) {
       HostLoraSlot l;
       l.gu_rank = c.ranks[s % c.ranks.size()];
@@ -233,11 +233,7 @@ struct Harness {
     std::vector<int32_t> ref_slot(slot);
     for (auto& s : ref_slot)
       if (s >= c.slots) s = -1;  // the GPU treats out-of-range slots as base-only
-    auto dl = [](const void* p, size_t n) {
-      std::vector<uint16_t> h(n);
-      MOELORA_CUDA_CHECK(cudaMemcpy(h.data(), p, n * 2, cudaMemcpyDeviceToHost));
-      return from_bf16(h);
-    };
+    auto dl = [](const void* p, size_t n) { return from_bf16(download(static_cast<const uint16_t*>(p), n)); };
     const auto act = dl(ws.act, P * I);
     const bool w8a8 = c.fp8 && args().tuning->act_fp8;  // the regime the GPU ran
     const MoeReference ref = moe_reference(ex, x, T, ids, w, c.slots ? &ref_slot : nullptr,
@@ -418,9 +414,7 @@ std::vector<MoeCase> moe_cases() {
 }
 
 std::string moe_test_name(const ::testing::TestParamInfo<MoeCase>& i) {
-  std::string o;
-  for (char ch : i.param.name()) o += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
-  return o;
+  return gtest_safe(i.param.name(), /*trim_trailing=*/false);
 }
 
 INSTANTIATE_TEST_SUITE_P(Moe, MoeLayer, ::testing::ValuesIn(moe_cases()), moe_test_name);

@@ -8,7 +8,7 @@
 
 #include "backends/cpu/cpu_ops.h"
 #include "backends/cuda/cuda_backend.h"
-#include "tests/ops/dense_test_util.h"
+#include "tests/ops/op_suite.h"
 
 namespace moelora::ops_test {
 namespace {

@@ -1,31 +1,22 @@
-// Helpers shared by the op-suite cases of the dense kernel families (elementwise, FP8 quant, dense
-// GEMM, dense LoRA, attention, sampling): bf16 device matrices with a row stride whose padding and
-// tail are poisoned and checked, FP8 block quantisation of random weights, and case naming.
+// Host + device data of the dense kernel families (elementwise, FP8 quant, dense GEMM, dense LoRA,
+// attention, sampling): bf16 device matrices with a row stride whose padding and tail are
+// poisoned and checked, and FP8 block quantisation of random weights (what a checkpoint holds).
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <cstdint>
-#include <string>
 #include <vector>
 
 #include "backends/cpu/cpu_ops.h"
-#include "core/check.h"
 #include "core/dtype.h"
-#include "tests/ops/op_suite.h"
+#include "core/tensor.h"
+#include "gpukit/device_array.h"
+#include "gpukit/random.h"
 
-namespace moelora::ops_test {
-
-// gtest parameter names allow [A-Za-z0-9_] only: the printed case name with the rest mapped to '_'.
-inline std::string gtest_safe(const std::string& s) {
-  std::string o;
-  for (char c : s) o += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
-  while (!o.empty() && o.back() == '_') o.pop_back();
-  return o;
-}
+namespace moelora::gpukit {
 
 // A bf16 matrix [rows, cols] with row stride ld on the device; host copy holds the exact values.
 struct DevMat {
@@ -111,9 +102,39 @@ struct Fp8Weight {
   }
 };
 
-inline std::vector<float> bf16_round(std::vector<float> v) {
-  for (auto& x : v) x = bf16_to_f32(f32_to_bf16(x));
-  return v;
+// What a W8A8 GEMM multiplies: x [rows, cols] (row stride ld) quantised to e4m3 per token per
+// 128 channels exactly as the GPU does (cpu::quantize_fp8_per_token_group) and dequantised, packed
+// [rows, cols]. References of the FP8-activation paths feed this instead of x.
+inline std::vector<float> fp8_activation_round_trip(const float* x, int64_t ld, int rows, int cols) {
+  const int groups = (cols + 127) / 128;
+  std::vector<float> packed(static_cast<size_t>(rows) * cols), s(static_cast<size_t>(rows) * groups);
+  for (int t = 0; t < rows; ++t) std::copy(x + t * ld, x + t * ld + cols, packed.begin() + static_cast<size_t>(t) * cols);
+  std::vector<uint8_t> q(packed.size());
+  cpu::quantize_fp8_per_token_group(packed.data(), rows, cols, 128, q.data(), s.data());
+  for (int t = 0; t < rows; ++t)
+    for (int k = 0; k < cols; ++k) {
+      const size_t i = static_cast<size_t>(t) * cols + k;
+      packed[i] = fp8e4m3_to_f32(q[i]) * s[static_cast<size_t>(t) * groups + k / 128];
+    }
+  return packed;
 }
 
-}  // namespace moelora::ops_test
+// cpu::lora_add's table over host f32 factors, slot s: A a[s] [ranks[s], in], B b[s] [out, ranks[s]]
+// (the reference side of every dense LoRA check).
+inline LoraModuleTable host_lora_table(int in, int out, const std::vector<const float*>& a,
+                                       const std::vector<const float*>& b, const std::vector<int>& ranks) {
+  const int n = static_cast<int>(ranks.size());
+  LoraModuleTable tab;
+  tab.num_slots = n, tab.in = in, tab.out = out;
+  tab.a_ptrs = Tensor::empty_host(DType::kI64, {n});
+  tab.b_ptrs = Tensor::empty_host(DType::kI64, {n});
+  tab.ranks = Tensor::empty_host(DType::kI32, {n});
+  for (int s = 0; s < n; ++s) {
+    tab.a_ptrs.ptr<int64_t>()[s] = reinterpret_cast<int64_t>(a[s]);
+    tab.b_ptrs.ptr<int64_t>()[s] = reinterpret_cast<int64_t>(b[s]);
+    tab.ranks.ptr<int32_t>()[s] = ranks[s];
+  }
+  return tab;
+}
+
+}  // namespace moelora::gpukit
