@@ -2,7 +2,7 @@
 // MoE LoRA on a side stream) at Qwen3-30B-A3B shapes: H 2048, E 128, top-8, I 768, FP8 128x128.
 // Every version is checked against the CPU reference, then timed under CUDA-graph replay with
 // weights, adapters and inputs rotated over copies that together exceed the L2, median of replays.
-// The floor is performance-floors.md section C.4's: bytes of the experts (and LoRA factors) the
+// The floor is docs/floors.md's (one MoE layer): bytes of the experts (and LoRA factors) the
 // batch touches, counted from the routing it actually produced, over the copy bandwidth measured
 // in this run (the router's logits GEMM is not part of what is timed, so not of the floor either).
 //
@@ -195,7 +195,7 @@ int main(int argc, char** argv) {
   MOELORA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const double bw_memcpy = measure_copy_gbps();  // GB/s, bytes read + written (graph memcpy node)
   const auto [bw_copy, bw_read] = measure_kernel_bw(prop.multiProcessorCount);
-  // The floor's bandwidth: the copy kernel's (read + write), as performance-floors.md measures it.
+  // The floor's bandwidth: the copy kernel's (read + write), as docs/floors.md describes.
   const double bw = bw_copy;
   std::printf("device %s, %d SMs, L2 %d MB; bandwidth GB/s: memcpy node %.0f, copy kernel %.0f, read kernel %.0f\n",
               prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, bw_memcpy, bw_copy, bw_read);
