@@ -81,6 +81,20 @@ MoeLoraFusedParams fused_params(const MoeForwardArgs& a, const MoeWorkspace& ws,
   return f;
 }
 
+// W8A8: rows [M, K] of `x` to e4m3 `q` [M, K] with token-major scales [M, ceil(K / 128)].
+void quantize_rows(const bf16* x, int64_t ldx, int M, int K, uint8_t* q, float* scales, cudaStream_t stream) {
+  Fp8QuantParams p;
+  p.x = x;
+  p.ld_x = ldx;
+  p.M = M;
+  p.K = K;
+  p.q = q;
+  p.ld_q = K;
+  p.scales = scales;
+  p.scale_ld = (K + 127) / 128;
+  launch_fp8_quant_per_token(p, stream);
+}
+
 }  // namespace
 
 size_t moe_workspace_bytes(const MoeShape& s, const MoeLoraShape* lora) {
@@ -121,18 +135,8 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   const bool pdl = tune.pdl;
   const bool act_fp8 = tune.act_fp8 && a.wtype == MoeWeightType::kFp8;
   const int H_groups = (s.H + 127) / 128, I_groups = (s.I + 127) / 128;
-  if (act_fp8) {  // first of the layer: it reads only x (the router that follows waits for it)
-    Fp8QuantParams q;
-    q.x = a.x;
-    q.ld_x = a.ldx;
-    q.M = a.T;
-    q.K = s.H;
-    q.q = ws.xq;
-    q.ld_q = s.H;
-    q.scales = ws.xs;
-    q.scale_ld = H_groups;
-    launch_fp8_quant_per_token(q, M);
-  }
+  if (act_fp8)  // first of the layer: it reads only x (the router that follows waits for it)
+    quantize_rows(a.x, a.ldx, a.T, s.H, ws.xq, ws.xs, M);
 
   // ---- Routing + alignment (one launch when routing is fused).
   RouterParams rp = a.router;
@@ -308,18 +312,8 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   d.ldxq = s.I;
   d.xs = ws.as;
   d.ldxs = I_groups;
-  if (act_fp8) {  // act rows of every pair (rows of skipped pairs are never read by moe_down)
-    Fp8QuantParams q;
-    q.x = ws.act;
-    q.ld_x = s.I;
-    q.M = P;
-    q.K = s.I;
-    q.q = ws.aq;
-    q.ld_q = s.I;
-    q.scales = ws.as;
-    q.scale_ld = I_groups;
-    launch_fp8_quant_per_token(q, M);
-  }
+  if (act_fp8)  // act rows of every pair (rows of skipped pairs are never read by moe_down)
+    quantize_rows(ws.act, s.I, P, s.I, ws.aq, ws.as, M);
   d.lora_delta = nullptr;
   d.act = nullptr;
   d.y = ws.y;
