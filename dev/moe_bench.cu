@@ -55,7 +55,7 @@ struct Copy {
 };
 
 struct Bench {
-  MoeShape shape{kMaxT, kK, kE, kH, kI};
+  MoeShape shape{kMaxT, kK, kE, kH, kI, /*fp8_activations=*/true};  // versions run both regimes
   HostExperts hex;
   std::vector<HostLoraSlot> hl;
   std::vector<Copy> copies;
@@ -380,7 +380,7 @@ int main(int argc, char** argv) {
   // ---- Prefill-shaped (compute-bound; one copy: the weights are re-read by many tiles anyway).
   std::printf("\nprefill (base, v2, one weight copy): T | regime | us | TFLOP/s (2*T*k*3*H*I)\n");
   {
-    MoeShape ps{8192, kK, kE, kH, kI};
+    MoeShape ps{8192, kK, kE, kH, kI, /*fp8_activations=*/true};
     DeviceArray<uint8_t> pws(moe_workspace_bytes(ps, nullptr));
     MoeWorkspace w2 = moe_workspace_carve(pws.get(), ps, nullptr);
     DeviceArray<uint16_t> px(static_cast<size_t>(8192) * kH), pout(static_cast<size_t>(8192) * kH);

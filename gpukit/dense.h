@@ -102,21 +102,12 @@ struct Fp8Weight {
   }
 };
 
-// What a W8A8 GEMM multiplies: x [rows, cols] (row stride ld) quantised to e4m3 per token per
-// 128 channels exactly as the GPU does (cpu::quantize_fp8_per_token_group) and dequantised, packed
-// [rows, cols]. References of the FP8-activation paths feed this instead of x.
+// cpu::fp8_activation_round_trip (what a W8A8 GEMM multiplies instead of x) in f32, packed
+// [rows, cols]: the references of the FP8-activation paths feed this instead of x.
 inline std::vector<float> fp8_activation_round_trip(const float* x, int64_t ld, int rows, int cols) {
-  const int groups = (cols + 127) / 128;
-  std::vector<float> packed(static_cast<size_t>(rows) * cols), s(static_cast<size_t>(rows) * groups);
-  for (int t = 0; t < rows; ++t) std::copy(x + t * ld, x + t * ld + cols, packed.begin() + static_cast<size_t>(t) * cols);
-  std::vector<uint8_t> q(packed.size());
-  cpu::quantize_fp8_per_token_group(packed.data(), rows, cols, 128, q.data(), s.data());
-  for (int t = 0; t < rows; ++t)
-    for (int k = 0; k < cols; ++k) {
-      const size_t i = static_cast<size_t>(t) * cols + k;
-      packed[i] = fp8e4m3_to_f32(q[i]) * s[static_cast<size_t>(t) * groups + k / 128];
-    }
-  return packed;
+  std::vector<double> d(static_cast<size_t>(rows) * cols);
+  cpu::fp8_activation_round_trip(x, ld, rows, cols, d.data());
+  return std::vector<float>(d.begin(), d.end());
 }
 
 // cpu::lora_add's table over host f32 factors, slot s: A a[s] [ranks[s], in], B b[s] [out, ranks[s]]

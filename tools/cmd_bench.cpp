@@ -16,6 +16,7 @@
 #include "runtime/backend_factory.h"
 #include "tools/bench_record.h"
 #include "tools/commands.h"
+#include "tools/common.h"
 
 namespace moelora::tools {
 
@@ -276,12 +277,7 @@ void register_bench(CLI::App& app, int& exit_code) {
   auto a = std::make_shared<Args>();
   cmd->add_option("--config", a->config, "a config.json or a folder holding one (only shapes are read)")->required();
   cmd->add_option("--backend", a->backend.name, "cpu or cuda")->capture_default_str();
-  cmd->add_flag("!--no-graphs", a->backend.cuda_graphs, "CUDA: no graph replay");
-  cmd->add_flag("!--no-overlap", a->backend.cuda_overlap, "CUDA: LoRA on the main stream");
-  cmd->add_flag("--moe-fp8-activations", a->backend.cuda_moe_fp8_activations,
-                 "CUDA: FP8 experts quantise activations per token per 128 channels (W8A8) where that measured "
-                 "faster (2-24 tokens per expert): MoE layer 6-18 % faster at 64-256 tokens on the H200, "
-                 "rows ~2-3 % less exact (docs/numerics.md)");
+  add_cuda_backend_flags(cmd, a->backend);
   cmd->add_option("--layers", a->layers, "use only the first N layers (models larger than one GPU)");
   cmd->add_option("--batch", a->batches, "decode batch sizes")->delimiter(',')->capture_default_str();
   cmd->add_option("--adapters", a->adapters, "distinct adapters per batch (0 = base)")->delimiter(',')->capture_default_str();

@@ -335,12 +335,7 @@ void register_serve(CLI::App& app, int& exit_code) {
   cmd->add_option("--served-model-name", a->server.served_model_name,
                   "the base model's name in the API (default: the model folder's name)");
   cmd->add_option("--backend", a->backend.name, "cpu or cuda")->capture_default_str();
-  cmd->add_flag("!--no-graphs", a->backend.cuda_graphs, "CUDA: run decode steps eagerly instead of replaying graphs");
-  cmd->add_flag("!--no-overlap", a->backend.cuda_overlap, "CUDA: run MoE LoRA on the main stream, not a side stream");
-  cmd->add_flag("--moe-fp8-activations", a->backend.cuda_moe_fp8_activations,
-                 "CUDA: FP8 experts quantise activations per token per 128 channels (W8A8) where that measured "
-                 "faster (2-24 tokens per expert): MoE layer 6-18 % faster at 64-256 tokens on the H200, "
-                 "rows ~2-3 % less exact (docs/numerics.md)");
+  add_cuda_backend_flags(cmd, a->backend);
   cmd->add_option("--max-loras-per-batch,--max-loras", a->engine.max_loras_per_batch,
                   "adapter slots: distinct adapters in one batch")
       ->capture_default_str()

@@ -12,6 +12,7 @@
 #include "runtime/backend_factory.h"
 #include "runtime/fixture_verifier.h"
 #include "tools/commands.h"
+#include "tools/common.h"
 
 namespace moelora::tools {
 
@@ -45,12 +46,7 @@ void register_verify(CLI::App& app, int& exit_code) {
   cmd->add_option("--fixtures", args->fixtures, "a model folder with cases.json, or a root with manifest.json")
       ->required();
   cmd->add_option("--backend", args->backend.name, "cpu or cuda")->capture_default_str();
-  cmd->add_flag("!--no-graphs", args->backend.cuda_graphs, "CUDA: run decode eagerly instead of replaying graphs");
-  cmd->add_flag("!--no-overlap", args->backend.cuda_overlap, "CUDA: run LoRA work on the main stream");
-  cmd->add_flag("--moe-fp8-activations", args->backend.cuda_moe_fp8_activations,
-                 "CUDA: FP8 experts quantise activations per token per 128 channels (W8A8) where that measured "
-                 "faster (2-24 tokens per expert): MoE layer 6-18 % faster at 64-256 tokens on the H200, "
-                 "rows ~2-3 % less exact (docs/numerics.md)");
+  add_cuda_backend_flags(cmd, args->backend);
   cmd->add_option("--max-rel-error", args->tol,
                   "per-row relative error bound (default: 1e-4 on cpu; 3e-2 for bf16 paths, see docs/numerics.md)");
   cmd->add_option("--min-top1", args->min_top1, "bf16 paths: top-1 agreement a checkpoint needs");

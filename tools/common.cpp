@@ -58,4 +58,13 @@ std::vector<std::pair<std::string, std::string>> bundled_adapters(const std::str
   return out;
 }
 
+void add_cuda_backend_flags(CLI::App* cmd, BackendOptions& o) {
+  cmd->add_flag("!--no-graphs", o.cuda_graphs, "CUDA: run decode steps eagerly instead of replaying captured graphs");
+  cmd->add_flag("!--no-overlap", o.cuda_overlap, "CUDA: run LoRA work on the main stream, not a side stream");
+  cmd->add_flag("--moe-fp8-activations", o.cuda_moe_fp8_activations,
+                "CUDA: FP8 experts quantise activations per token per 128 channels (W8A8) where that measured "
+                "faster (2-24 tokens per expert): MoE layer 6-18 % faster at 64-256 tokens on the H200, "
+                "rows ~2-3 % less exact (docs/numerics.md)");
+}
+
 }  // namespace moelora::tools

@@ -6,8 +6,17 @@
 #include <vector>
 
 #include "core/status.h"
+#include "runtime/backend_factory.h"
+
+namespace CLI {
+class App;
+}
 
 namespace moelora::tools {
+
+// The CUDA backend's flags, the same in every subcommand that builds a backend:
+// --no-graphs, --no-overlap, --moe-fp8-activations.
+void add_cuda_backend_flags(CLI::App* cmd, BackendOptions& o);
 
 // "name=path" -> (name, path).
 Result<std::pair<std::string, std::string>> parse_name_path(const std::string& spec);

@@ -105,6 +105,11 @@ Status AdapterRegistry::finish_reread(const std::string& name, const RereadTicke
 Status AdapterRegistry::add_in_memory(const std::string& name, std::shared_ptr<const LoraAdapter> adapter) {
   if (entries_.count(name))
     return make_error(ErrorCode::kAlreadyExists, "an adapter named '{}' is already loaded", name);
+  // The ceiling files meet when they load (a backend's kernels may abort on a rank above it).
+  if (adapter->max_rank > opts_.max_rank)
+    return invalid_argument("adapter '{}' has rank {}, above the engine's maximum {} (--max-lora-rank; the engine "
+                            "lowers it to the backend kernels' limit)",
+                            name, adapter->max_rank, opts_.max_rank);
   Entry& e = entries_[name];
   e.path = adapter->path;
   e.identity = adapter->identity;

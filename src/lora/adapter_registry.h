@@ -55,7 +55,7 @@ class AdapterRegistry {
   Status finish_reread(const std::string& name, const RereadTicket& ticket,
                        Result<std::shared_ptr<const LoraAdapter>> result);
   // Registers an adapter made in memory (benchmarks: lora/random_adapter.h). It has no files, so
-  // it is pinned: never dropped from host memory.
+  // it is pinned: never dropped from host memory. Above the rank ceiling: InvalidArgument.
   Status add_in_memory(const std::string& name, std::shared_ptr<const LoraAdapter> adapter);
   // Forgets `name`. The caller checks that no request uses it.
   Status remove(const std::string& name);

@@ -409,15 +409,6 @@ Status Engine::load_adapter(const std::string& name, const std::string& path, co
 }
 
 Status Engine::add_adapter(const std::string& name, std::shared_ptr<const LoraAdapter> adapter) {
-  // Files are checked against the rank ceiling when they load; an in-memory adapter here (a
-  // backend's kernels may abort on a rank above it when the adapter is placed in a slot).
-  if (adapter->max_rank > impl_->opts.max_lora_rank)
-    return invalid_argument("adapter '{}' has rank {}, above the engine's maximum {} (--max-lora-rank{})", name,
-                            adapter->max_rank, impl_->opts.max_lora_rank,
-                            impl_->backend->max_lora_rank() > 0 ? fmt::format(", and the {} kernels' limit {}",
-                                                                              impl_->backend->name(),
-                                                                              impl_->backend->max_lora_rank())
-                                                                : std::string());
   // Stored as the slots take them (see AdapterLoadOptions::factor_dtype), converted here on the
   // caller's thread rather than at every placement on the engine thread.
   if (const DType dt = impl_->backend->lora_dtype(); !factors_are(*adapter, dt)) {

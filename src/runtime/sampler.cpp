@@ -8,6 +8,13 @@ namespace moelora {
 
 namespace {
 
+// The edit of token t, created (sorted by token, as the contract asks) on first use.
+LogitEdit& edit_of(std::map<int32_t, LogitEdit>& edits, int32_t t) {
+  LogitEdit& e = edits[t];
+  e.token = t;
+  return e;
+}
+
 bool wants_context(const SamplingParams& p) { return p.repetition_penalty != 1.0f; }
 bool wants_output(const SamplingParams& p) { return p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f; }
 
@@ -28,11 +35,7 @@ SampleRow row_without_counts(const SamplingParams& p, uint64_t seed, const std::
   r.repetition = p.repetition_penalty;
   r.restrict_to_allowed = !p.allowed_token_ids.empty();
 
-  auto edit = [&](int32_t t) -> LogitEdit& {
-    LogitEdit& e = edits[t];
-    e.token = t;
-    return e;
-  };
+  auto edit = [&](int32_t t) -> LogitEdit& { return edit_of(edits, t); };
   for (const auto& [t, b] : p.logit_bias) edit(t).bias += b;
   for (int32_t t : p.allowed_token_ids) edit(t).allowed = 1;
   const int generated = static_cast<int>(tokens.size()) - prompt_len;
@@ -60,11 +63,7 @@ SampleRow make_sample_row(const SamplingParams& p, uint64_t seed, const std::vec
                           const std::vector<int>& eos_ids, int vocab) {
   std::map<int32_t, LogitEdit> edits;  // ordered by token: the contract asks for sorted edits
   SampleRow r = row_without_counts(p, seed, tokens, prompt_len, eos_ids, vocab, edits);
-  auto edit = [&](int32_t t) -> LogitEdit& {
-    LogitEdit& e = edits[t];
-    e.token = t;
-    return e;
-  };
+  auto edit = [&](int32_t t) -> LogitEdit& { return edit_of(edits, t); };
   if (wants_context(p))
     for (int32_t t : tokens) edit(t).in_context = 1;
   if (wants_output(p))

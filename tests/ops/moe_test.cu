@@ -86,7 +86,7 @@ struct Harness {
   cudaEvent_t ev[4] = {};
 
   explicit Harness(const MoeCase& mc) : c(mc), rng(seed_of(mc.name())) {
-    shape = {std::max(c.T, 1), c.k, c.E, c.H, c.I};
+    shape = {std::max(c.T, 1), c.k, c.E, c.H, c.I, /*fp8_activations=*/c.fp8};  // cases force either regime
     ex.shape = shape;
     ex.fp8 = c.fp8;
     ex.generate(seed_of(c.name()) ^ 0x5eedull);

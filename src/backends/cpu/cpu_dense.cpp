@@ -39,6 +39,16 @@ void dequantize_nvfp4(const uint8_t* packed, int rows, int cols, const uint8_t* 
     }
 }
 
+void fp8_activation_round_trip(const float* x, int64_t ld, int64_t rows, int cols, double* out) {
+  const int groups = (cols + 127) / 128;
+  std::vector<float> s(groups);
+  std::vector<uint8_t> q(cols);
+  for (int64_t t = 0; t < rows; ++t) {
+    quantize_fp8_per_token_group(x + t * ld, 1, cols, 128, q.data(), s.data());
+    for (int c = 0; c < cols; ++c) out[t * cols + c] = static_cast<double>(fp8e4m3_to_f32(q[c])) * s[c / 128];
+  }
+}
+
 void quantize_fp8_per_token_group(const float* x, int64_t rows, int cols, int group, uint8_t* q,
                                   float* scales) {
   const int groups = (cols + group - 1) / group;

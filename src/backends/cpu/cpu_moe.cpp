@@ -119,16 +119,14 @@ void apply_lora(const ExpertLora& l, const double* x, int in, int out, double* y
   }
 }
 
-// in -> e4m3(in / scale) * scale per 128-channel group (optionally rounding `in` to bf16 first).
+// fp8_activation_round_trip of one row held in double (optionally rounding it to bf16 first).
 void fp8_round_trip(const double* in, int n, bool bf16_first, double* out) {
-  std::vector<float> f(n), s((n + 127) / 128);
-  std::vector<uint8_t> q(n);
+  std::vector<float> f(n);
   for (int i = 0; i < n; ++i) {
     f[i] = static_cast<float>(in[i]);
     if (bf16_first) f[i] = bf16_to_f32(f32_to_bf16(f[i]));
   }
-  quantize_fp8_per_token_group(f.data(), 1, n, 128, q.data(), s.data());
-  for (int i = 0; i < n; ++i) out[i] = static_cast<double>(fp8e4m3_to_f32(q[i])) * s[i / 128];
+  fp8_activation_round_trip(f.data(), n, 1, n, out);
 }
 
 }  // namespace

@@ -37,6 +37,10 @@ void dequantize_nvfp4(const uint8_t* packed, int rows, int cols, const uint8_t* 
 // activations before an FP8 GEMM): q[t][c] = fp8(x[t][c] / scale[t][c / group]).
 void quantize_fp8_per_token_group(const float* x, int64_t rows, int cols, int group, uint8_t* q,
                                   float* scales);
+// What a W8A8 GEMM multiplies instead of x [rows, cols] (row stride ld): each row quantised as
+// quantize_fp8_per_token_group does (groups of 128) and dequantised, out[t][c] = e4m3(q) * scale
+// (exact in double), packed [rows, cols].
+void fp8_activation_round_trip(const float* x, int64_t ld, int64_t rows, int cols, double* out);
 
 // ---- Dense
 // y[t] = x[t] W^T for t < T;  W [out, in].

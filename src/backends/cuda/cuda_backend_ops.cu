@@ -285,7 +285,8 @@ void CudaBackend::moe(const Tensor& x, const Tensor& ids, const Tensor& weights,
   a.s_gate_up = experts.gate_up.scale_inv.defined() ? experts.gate_up.scale_inv.ptr<float>() : nullptr;
   a.w_down = experts.down.w.data();
   a.s_down = experts.down.scale_inv.defined() ? experts.down.scale_inv.ptr<float>() : nullptr;
-  a.shape = {T, static_cast<int>(ids.cols()), experts.num_experts, experts.hidden, experts.intermediate};
+  a.shape = {T, static_cast<int>(ids.cols()), experts.num_experts, experts.hidden, experts.intermediate,
+             /*fp8_activations=*/opts_.moe_fp8_activations};
   a.out = act(out);
   a.ldo = out.ld();
   a.allow_fp8_activations = opts_.moe_fp8_activations;

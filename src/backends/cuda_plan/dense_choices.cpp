@@ -35,9 +35,10 @@ DenseSmallMTiling choose_dense_small_m_tiling(int M, int in, int row_groups, int
 }
 
 AttentionDecodeSplit choose_attention_decode_split(int T, int kv_heads, int group, int max_positions, int num_sms) {
-  // Enough blocks to fill the GPU about twice, but never splits under 128 positions (a block
-  // works on 16 query heads of one KV head for one token; bench/RESULTS.md, paged decode
-  // attention).
+  // Enough blocks to fill the GPU about twice (a block works on 16 query heads of one KV head for
+  // one token), but never splits under 128 positions. The factor 2 is a compromise the H200 runs
+  // bear out only roughly (bench/RESULTS.md, paged decode attention: a 66-SM plan won at B = 32, a
+  // 264-block one at B = 8 with a 16k context).
   const int64_t per_split = static_cast<int64_t>(std::max(T, 1)) * kv_heads * ((group + 15) / 16);
   const int want = static_cast<int>(std::max<int64_t>(1, (2 * static_cast<int64_t>(num_sms) + per_split - 1) / per_split));
   int chunk = (std::max(1, max_positions) + want - 1) / want;

@@ -40,7 +40,8 @@ MoeTuning choose_moe_tuning(const MoeProblem& p) {
   t.tile = choose_moe_gemm_tile(p.T, p.k, p.E, p.H, p.I);
   t.fuse_route = p.has_logits && p.T <= kFuseRouteMaxT && p.E <= kFuseRouteMaxE && p.k <= kFuseRouteMaxK;
   // Separate shrink + expand measured faster than the fused LoRA launch at every batch of the
-  // H200 sweep (bench/RESULTS.md, moe_bench v2 vs v3).
+  // H200 sweep but one, where they tie (bench/RESULTS.md, moe_bench v2 vs v3: T = 8, one adapter,
+  // 137.9 vs 137.4 us; elsewhere the fused launch lost by up to 79 us at T = 256).
   t.lora_fused = false;
   t.pdl = true;
   // W8A8 only when the operator allows it. H200 regime x tile sweep (2026-12-03, dev_moe_bench

@@ -38,10 +38,12 @@ MoeWorkspace layout(void* base, const MoeShape& s, const MoeLoraShape* lora, siz
   w.tile_pairs = c.take<int32_t>(P + 64 * std::min<size_t>(s.E, P) + 1);
   w.act = c.take<bf16>(std::max<size_t>(P * s.I, 1));
   w.y = c.take<float>(std::max<size_t>(P * s.H, 1));
-  w.xq = c.take<uint8_t>(std::max<size_t>(static_cast<size_t>(s.max_tokens) * s.H, 1));
-  w.xs = c.take<float>(std::max<size_t>(static_cast<size_t>(s.max_tokens) * ((s.H + 127) / 128), 1));
-  w.aq = c.take<uint8_t>(std::max<size_t>(P * s.I, 1));
-  w.as = c.take<float>(std::max<size_t>(P * ((s.I + 127) / 128), 1));
+  if (s.fp8_activations) {
+    w.xq = c.take<uint8_t>(std::max<size_t>(static_cast<size_t>(s.max_tokens) * s.H, 1));
+    w.xs = c.take<float>(std::max<size_t>(static_cast<size_t>(s.max_tokens) * ((s.H + 127) / 128), 1));
+    w.aq = c.take<uint8_t>(std::max<size_t>(P * s.I, 1));
+    w.as = c.take<float>(std::max<size_t>(P * ((s.I + 127) / 128), 1));
+  }
   if (lora) {
     const int nb = lora->num_slots * s.E + 1;
     w.l_sorted = c.take<int32_t>(std::max<size_t>(P, 1));
@@ -134,6 +136,7 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   const MoeGemmTile tile = tune.tile;
   const bool pdl = tune.pdl;
   const bool act_fp8 = tune.act_fp8 && a.wtype == MoeWeightType::kFp8;
+  MOELORA_CHECK_MSG(!act_fp8 || ws.xq, "W8A8 MoE needs a workspace carved with MoeShape::fp8_activations");
   const int H_groups = (s.H + 127) / 128, I_groups = (s.I + 127) / 128;
   if (act_fp8)  // first of the layer: it reads only x (the router that follows waits for it)
     quantize_rows(a.x, a.ldx, a.T, s.H, ws.xq, ws.xs, M);

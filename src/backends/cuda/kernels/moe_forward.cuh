@@ -30,6 +30,7 @@ namespace moelora::cuda {
 struct MoeShape {
   int max_tokens = 0;  // the largest T this workspace serves (the largest captured batch)
   int k = 0, E = 0, H = 0, I = 0;
+  bool fp8_activations = false;  // carve the W8A8 buffers (only when W8A8 may run: they cost arena)
 };
 struct MoeLoraShape {
   int num_slots = 0;
@@ -45,7 +46,8 @@ struct MoeWorkspace {
   int32_t* tile_pairs = nullptr;  // [P + 64 * min(E, P)] each tile's pairs, padded to its rows
   bf16* act = nullptr;          // [P, I]
   float* y = nullptr;           // [P, H]
-  // W8A8 (MoeTuning::act_fp8): e4m3 copies of x and act with per-token 1x128 scales.
+  // W8A8 (MoeTuning::act_fp8): e4m3 copies of x and act with per-token 1x128 scales (null
+  // unless the shape asked for them).
   uint8_t* xq = nullptr;        // [max_tokens, H]
   float* xs = nullptr;          // [max_tokens, ceil(H / 128)]
   uint8_t* aq = nullptr;        // [P, I]
