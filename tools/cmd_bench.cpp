@@ -97,7 +97,7 @@ RandomAdapters make_adapters(const ModelConfig& c, Backend& b, int slots, int ra
 }
 
 // Bytes a decode step must read at least (docs/floors.md, with our LoRA layout).
-double floor_bytes(const ModelConfig& c, int B, int N, int rank, int context) {
+double floor_bytes(const ModelConfig& c, const KvShape& kv, int B, int N, int rank, int context) {
   const double wbytes = c.fp8 ? 1.0 + 4.0 / (128 * 128) : 2.0;
   const double H = c.hidden_size, E = c.num_experts, k = c.top_k, I = c.moe_intermediate_size;
   auto distinct = [&](double tokens) { return E * (1.0 - std::pow(1.0 - k / E, tokens)); };
@@ -120,8 +120,8 @@ double floor_bytes(const ModelConfig& c, int B, int N, int rank, int context) {
       total += pairs * 2.0 * rank * (2 * H + 3 * I);
     }
   }
-  total += static_cast<double>(B) * context * c.num_layers * c.attn_kv_heads() *
-           (c.attn_k_head_dim() + c.attn_v_head_dim()) * 2.0;
+  // The cache as the model holds it (Model::kv_shape: per-head K and V, or an MLA latent).
+  total += static_cast<double>(B) * context * c.num_layers * static_cast<double>(kv.values_per_token()) * 2.0;
   return total;
 }
 
@@ -237,7 +237,7 @@ int run(Args a) {
       const Timing logits_only = measure(StepKind::kLogits);
       const Timing kernels = measure(StepKind::kKernels);
       const double med = sampled.wall_us;
-      const double floor_us = floor_bytes(c, B, N, a.rank, a.context) / (a.hbm_tbps * 1e12) * 1e6;
+      const double floor_us = floor_bytes(c, model->kv_shape(), B, N, a.rank, a.context) / (a.hbm_tbps * 1e12) * 1e6;
       std::printf("%6d %9d %12.1f %12.0f %12.1f %10.2f %12.1f %12.1f %10.1f %9.3f\n", B, N, med, B / (med * 1e-6),
                   floor_us, med / floor_us, logits_only.wall_us, kernels.wall_us, sampled.host_us,
                   med / logits_only.wall_us);

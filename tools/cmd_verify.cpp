@@ -1,7 +1,8 @@
-// moelora verify --fixtures DIR [--backend cpu|cuda] [--tp N --ep M]: runs the reference fixtures,
-// every case of a checkpoint in one batch that mixes all adapters and the base model. With
+// moelora verify --fixtures DIR [--backend cpu|cuda] [--tp N --ep M] [--mla MODE]: runs the reference
+// fixtures, every case of a checkpoint in one batch that mixes all adapters and the base model. With
 // tp x ep > 1 on the CPU the batch runs through the sharded forward (src/parallel: tp x ep ranks
-// as threads), which must meet the same bounds as the single-device path.
+// as threads), which must meet the same bounds as the single-device path. --mla picks DeepSeek's
+// attention form (model.h MlaMode; auto = absorbed on the CPU, decompressed on CUDA).
 #include <cstdio>
 
 #include <fmt/format.h>
@@ -41,6 +42,7 @@ void register_verify(CLI::App& app, int& exit_code) {
     double min_top1 = -1;
     int tp = 1;
     int ep = 1;
+    std::string mla = "auto";
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("--fixtures", args->fixtures, "a model folder with cases.json, or a root with manifest.json")
@@ -56,8 +58,17 @@ void register_verify(CLI::App& app, int& exit_code) {
   cmd->add_option("--ep", args->ep, "expert-parallel ranks (routed experts); tp x ep ranks in all")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
+  cmd->add_option("--mla", args->mla,
+                  "MLA attention (DeepSeek-V3): auto (absorbed where the backend has it), decompressed or absorbed")
+      ->capture_default_str();
   cmd->callback([args, &exit_code] {
     const int ranks = args->tp * args->ep;
+    auto mla = parse_mla_mode(args->mla);
+    if (!mla.ok()) {
+      std::fprintf(stderr, "moelora verify: --mla: %s\n", mla.status().message().c_str());
+      exit_code = 2;
+      return;
+    }
     if (ranks > 1 && args->backend.name != "cpu" && args->backend.name != "cuda") {
       std::fprintf(stderr, "moelora verify: --tp/--ep > 1 run the sharded forward on --backend cpu (float32), not on '%s'\n",
                    args->backend.name.c_str());
@@ -79,6 +90,7 @@ void register_verify(CLI::App& app, int& exit_code) {
     if (args->backend.name != "cpu") opts = VerifyOptions::for_bf16();
     if (args->tol > 0) opts.max_rel_error = args->tol;
     if (args->min_top1 >= 0) opts.ckpt_min_top1 = args->min_top1;
+    opts.model.mla = *mla;
     if (ranks > 1) {
       const int tp = args->tp, ep = args->ep;
       opts.make_runner = [tp, ep](Model& model, int num_slots) -> Result<std::unique_ptr<StepRunner>> {
@@ -126,9 +138,11 @@ void register_verify(CLI::App& app, int& exit_code) {
     }
     const VerifySummary& s = *res;
     const std::string sharding = ranks > 1 ? fmt::format(", tp {} x ep {}", args->tp, args->ep) : "";
-    std::printf("%d passed, %d failed (backend %s%s, worst relative error %.2e, top-1 agreement %d/%d, tolerance %.1e)\n",
-                s.passed, s.failed, args->backend.name.c_str(), sharding.c_str(), s.worst_rel, s.top1_match,
-                s.top1_rows, opts.max_rel_error);
+    std::printf(
+        "%d passed, %d failed (backend %s%s, MLA %s, worst relative error %.2e, top-1 agreement %d/%d, tolerance "
+        "%.1e)\n",
+        s.passed, s.failed, args->backend.name.c_str(), sharding.c_str(), mla_mode_name(*mla), s.worst_rel,
+        s.top1_match, s.top1_rows, opts.max_rel_error);
     exit_code = s.failed == 0 && s.passed > 0 ? 0 : 1;
   });
 }

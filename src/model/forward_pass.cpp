@@ -1,5 +1,7 @@
 #include "model/forward_pass.h"
 
+#include "core/check.h"
+
 namespace moelora {
 
 namespace {
@@ -9,7 +11,7 @@ namespace {
 class Body {
  public:
   Body(const ForwardModel& m, const LoraTables* lora)
-      : c_(m.cfg), w_(m.weights), rope_(m.rope), b_(m.backend), par_(m.par), lora_(lora) {}
+      : c_(m.cfg), w_(m.weights), rope_(m.rope), b_(m.backend), par_(m.par), lora_(lora), absorbed_(m.mla_absorbed) {}
 
   Tensor run(const StepBatch& step, std::vector<KvLayer>& kv) {
     const int T = step.num_tokens();
@@ -66,7 +68,9 @@ class Body {
   }
 
   // MLA: q_a / kv_a and their norms are whole on every rank (shared by all heads); q_b (or q) and
-  // kv_b hold the rank's heads; o_proj is row-parallel.
+  // kv_b hold the rank's heads; o_proj is row-parallel. The absorbed form needs no collective
+  // either: the latent is the same on every rank (each caches all of it) and kv_b's rows, like
+  // its LoRA B rows, are the rank's heads.
   Tensor attention_mla(const AttentionWeights& w, const Tensor& x, KvLayer& kv) {
     const int T = static_cast<int>(x.rows()), heads = par_.num_heads();
     const int nope = c_.qk_nope_head_dim, rope = c_.qk_rope_head_dim, qk = nope + rope;
@@ -87,13 +91,23 @@ class Body {
     Tensor k_pe = ckv.slice_cols(c_.kv_lora_rank, rope);
     b_.rope(k_pe, 1, rope, 0, rope_);
     b_.rope(q, heads, qk, nope, rope_);
-    Tensor kvb = b_.alloc_act(T, heads * (nope + c_.v_head_dim));
-    b_.linear(latent, w.kv_b, tab(LoraTarget::kKVB), kvb);
-    Tensor k = b_.alloc_act(T, heads * qk);
-    Tensor v = b_.alloc_act(T, heads * c_.v_head_dim);
-    b_.mla_split_kv(kvb, k_pe, heads, nope, c_.v_head_dim, k, v);
+    const float scale = static_cast<float>(c_.attention_scale());
     Tensor attn = b_.alloc_act(T, heads * c_.v_head_dim);
-    b_.attention(q, k, v, kv, heads, static_cast<float>(c_.attention_scale()), attn);
+    if (absorbed_) {
+      // The KV layout and the form must agree, or the op would read the cache as the wrong thing.
+      MOELORA_CHECK_MSG(kv.kv_heads == 1 && kv.k_head_dim == c_.kv_lora_rank + rope && kv.v_head_dim == 0,
+                        "absorbed MLA with a KV cache of {} heads of {} / {} values", kv.kv_heads, kv.k_head_dim,
+                        kv.v_head_dim);
+      b_.mla_attention_absorbed(q, latent, k_pe, w.kv_b, tab(LoraTarget::kKVB), kv, heads, nope, c_.v_head_dim,
+                                scale, attn);
+    } else {
+      Tensor kvb = b_.alloc_act(T, heads * (nope + c_.v_head_dim));
+      b_.linear(latent, w.kv_b, tab(LoraTarget::kKVB), kvb);
+      Tensor k = b_.alloc_act(T, heads * qk);
+      Tensor v = b_.alloc_act(T, heads * c_.v_head_dim);
+      b_.mla_split_kv(kvb, k_pe, heads, nope, c_.v_head_dim, k, v);
+      b_.attention(q, k, v, kv, heads, scale, attn);
+    }
     Tensor out = b_.alloc_act(T, c_.hidden_size);
     par_.row_linear(b_, attn, w.o, tab(LoraTarget::kO), out);
     return out;
@@ -145,6 +159,7 @@ class Body {
   ParallelContext& par_;
   const LoraTables* lora_;
   const LayerLoraTables* layer_lora_ = nullptr;
+  const bool absorbed_;
 };
 
 }  // namespace

@@ -19,6 +19,10 @@ struct ForwardModel {
   const RopeTable& rope;
   Backend& backend;
   ParallelContext& par;
+  // MLA attention in the absorbed form (Backend::mla_attention_absorbed; `kv` then holds the
+  // latent, model.h's kv_shape) instead of the decompressed one. Chosen once per model
+  // (Model::mla_absorbed); false for models without MLA.
+  bool mla_absorbed;
 };
 
 // Runs `step` (as returned by the backend's begin_step) and returns the float32 logits of

@@ -105,22 +105,54 @@ ModelShapes model_shapes(const ModelConfig& cfg) {
   return s;
 }
 
-Result<std::unique_ptr<Model>> Model::load(const std::string& dir, Backend& backend) {
+const char* mla_mode_name(MlaMode m) {
+  switch (m) {
+    case MlaMode::kAuto: return "auto";
+    case MlaMode::kDecompressed: return "decompressed";
+    case MlaMode::kAbsorbed: return "absorbed";
+  }
+  return "?";
+}
+
+Result<MlaMode> parse_mla_mode(const std::string& text) {
+  for (MlaMode m : {MlaMode::kAuto, MlaMode::kDecompressed, MlaMode::kAbsorbed})
+    if (text == mla_mode_name(m)) return m;
+  return invalid_argument("MLA mode '{}': expected auto, decompressed or absorbed", text);
+}
+
+KvShape kv_shape(const ModelConfig& cfg, bool mla_absorbed) {
+  if (cfg.is_mla() && mla_absorbed) return {1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, 0};
+  return {cfg.attn_kv_heads(), cfg.attn_k_head_dim(), cfg.attn_v_head_dim()};
+}
+
+Status Model::choose_mla_form(const ModelOptions& opts) {
+  mla_absorbed_ = false;
+  if (!cfg_.is_mla() || opts.mla == MlaMode::kDecompressed) return {};
+  const bool can = backend_.supports_mla_absorbed();
+  if (opts.mla == MlaMode::kAbsorbed && !can)
+    return unsupported("MLA mode 'absorbed': the {} backend has no absorbed MLA attention (use auto or decompressed)",
+                       backend_.name());
+  mla_absorbed_ = can;
+  return {};
+}
+
+Result<std::unique_ptr<Model>> Model::load(const std::string& dir, Backend& backend, const ModelOptions& opts) {
   MOELORA_ASSIGN_OR_RETURN(ModelConfig cfg, load_model_config(dir));
   // Before the checkpoint is read: a refusal costs nothing and names the limit.
   MOELORA_RETURN_IF_ERROR(backend.check_model_shapes(model_shapes(cfg)).with_context(dir + ": "));
-  MOELORA_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::open(dir));
   std::unique_ptr<Model> m(new Model(cfg, dir, backend));
+  MOELORA_RETURN_IF_ERROR(m->choose_mla_form(opts).with_context(dir + ": "));
+  MOELORA_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::open(dir));
   MOELORA_ASSIGN_OR_RETURN(m->weights_, load_model_weights(ck, cfg, backend));
   m->rope_ = make_rope_table(cfg);
   return m;
 }
 
 std::vector<KvLayer> Model::alloc_kv_cache(int num_pages, int page_size) const {
+  const KvShape s = kv_shape();
   std::vector<KvLayer> kv;
   for (int l = 0; l < cfg_.num_layers; ++l)
-    kv.push_back(backend_.alloc_kv_layer(num_pages, page_size, cfg_.attn_kv_heads(), cfg_.attn_k_head_dim(),
-                                         cfg_.attn_v_head_dim()));
+    kv.push_back(backend_.alloc_kv_layer(num_pages, page_size, s.kv_heads, s.k_head_dim, s.v_head_dim));
   return kv;
 }
 
@@ -136,7 +168,7 @@ Tensor Model::forward_logits(const StepBatch& batch, std::vector<KvLayer>& kv, c
     logits = b.step_output();
   } else {
     SingleDeviceContext single(cfg_);
-    logits = forward_body({cfg_, weights_, rope_, b, single}, step, kv, lora);
+    logits = forward_body({cfg_, weights_, rope_, b, single, mla_absorbed_}, step, kv, lora);
     b.end_step_body(logits);
   }
   // Padding rows (if any) come after the real ones.

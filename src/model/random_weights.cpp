@@ -4,9 +4,11 @@
 
 namespace moelora {
 
-Result<std::unique_ptr<Model>> Model::random(const ModelConfig& cfg, Backend& b, uint64_t seed) {
+Result<std::unique_ptr<Model>> Model::random(const ModelConfig& cfg, Backend& b, uint64_t seed,
+                                             const ModelOptions& opts) {
   MOELORA_RETURN_IF_ERROR(b.check_model_shapes(model_shapes(cfg)));
   std::unique_ptr<Model> m(new Model(cfg, "(random weights)", b));
+  MOELORA_RETURN_IF_ERROR(m->choose_mla_form(opts));
   const bool fp8 = cfg.fp8 && b.device() != Device::kCpu;
   const DType act = b.act_dtype();
   const DType dense = b.device() == Device::kCpu ? DType::kF32 : DType::kBF16;

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/check.h"
 #include "core/status.h"
 #include "core/tensor.h"
 #include "ops/model_shapes.h"
@@ -130,6 +131,32 @@ class Backend {
   // k [T, heads*(nope+rope)] = per head (k_nope, k_pe) and v [T, heads*v].
   virtual void mla_split_kv(const Tensor& kv, const Tensor& k_pe, int heads, int nope, int v_dim,
                             Tensor k, Tensor v) = 0;
+  // DeepSeek MLA, absorbed form: the cache holds each token's latent, not per-head K and V.
+  // Whether the backend has it; a model asking for it on a backend without it is refused at load
+  // (Model::load), and `auto` keeps the decompressed form there (attention + mla_split_kv).
+  virtual bool supports_mla_absorbed() const { return false; }
+  // Inputs: q [T, heads*(nope+rope)] with the rope dims already rotated; latent c [T, R] (after
+  // kv_a_norm, R = kv_lora_rank); k_pe [T, rope] rotated; kv_b the decompression weight
+  // [heads*(nope+v_dim), R] (FP8 block-scaled as for linear) and its LoRA table (nullptr = none).
+  // The cache `kv` holds one head of R + rope values per position (c, then k_pe) and no V
+  // (kv_heads 1, k_head_dim R + rope, v_head_dim 0). Each token's (c, k_pe) is written at its
+  // (sequence, position) first, then causal attention over positions 0..pos of its sequence, as
+  // in `attention`. With W_UK_h / W_UV_h the k_nope / v rows of kv_b for head h, and B_UK_h /
+  // B_UV_h the same rows of B (scale folded in) and A the token's adapter's kv_b LoRA factors
+  // (token_slot; slot -1 or rank 0: W only):
+  //   qc_h    = W_UK_h^T q_nope_h + A^T (B_UK_h^T q_nope_h)                     [R]
+  //   s_j     = scale * (qc_h . c_j + q_pe_h . k_pe_j)
+  //   o_h     = sum_j softmax_j(s) c_j                                          [R]
+  //   out[t, h] = W_UV_h o_h + B_UV_h (A o_h)                                    out [T, heads*v_dim]
+  // This equals `attention` on the decompressed k_nope_j = (W_UK_h + B_UK_h A) c_j and
+  // v_j = (W_UV_h + B_UV_h A) c_j because every token of a sequence carries the same adapter,
+  // so the keys and values the query sees were all decompressed with its own LoRA.
+  virtual void mla_attention_absorbed(const Tensor& q, const Tensor& latent, const Tensor& k_pe,
+                                      const LinearWeight& kv_b, const LoraModuleTable* kv_b_lora, KvLayer& kv,
+                                      int heads, int nope, int v_dim, float scale, Tensor out) {
+    MOELORA_CHECK_MSG(false, "mla_attention_absorbed is not supported by the {} backend (supports_mla_absorbed)",
+                      name());
+  }
   // Copies a backend tensor to a new host f32 tensor (synchronous).
   virtual Tensor to_host_f32(const Tensor& t) = 0;
 

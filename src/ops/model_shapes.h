@@ -14,7 +14,8 @@ struct ModelShapes {
   std::string arch;  // for messages ("qwen3_moe", ...)
   int hidden = 0;
   int vocab = 0;
-  // Attention as the KV cache holds it (MLA: the decompressed per-head K and V).
+  // Attention as the decompressed KV cache holds it (MLA: per-head K and V, the form that runs on a
+  // backend without Backend::supports_mla_absorbed, so the only one these limits concern).
   int heads = 0;
   int kv_heads = 0;
   int k_head_dim = 0;

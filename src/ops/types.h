@@ -82,6 +82,8 @@ struct MoeLoraTable {
 MoeLoraTable make_moe_lora_table(int num_slots, int num_experts, int hidden, int intermediate, const TableAlloc& alloc);
 
 // Paged KV cache of one layer: page p holds `page_size` consecutive positions of one sequence.
+// MLA in the absorbed form (Backend::mla_attention_absorbed) keeps the latent instead: kv_heads 1,
+// k_head_dim kv_lora_rank + rope (c, then k_pe), v_head_dim 0 (v is an empty tensor).
 struct KvLayer {
   Tensor k;  // [num_pages, page_size, kv_heads * k_head_dim]
   Tensor v;  // [num_pages, page_size, kv_heads * v_head_dim]

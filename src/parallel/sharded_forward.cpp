@@ -21,6 +21,7 @@ struct ShardedModel::Groups {
 struct ShardedModel::Rank {
   const ModelConfig* cfg = nullptr;  // the whole model's
   const RopeTable* rope = nullptr;
+  bool mla_absorbed = false;  // the model's MLA form (Model::mla_absorbed), the same on every rank
   RankLayout layout;
   CpuBackend backend;
   ModelWeights weights;
@@ -34,7 +35,8 @@ struct ShardedModel::Rank {
   Tensor forward(const StepBatch& batch) {
     const StepBatch& step = backend.begin_step(batch);
     par->set_step(step);
-    return backend.to_host_f32(forward_body({*cfg, weights, *rope, backend, *par}, step, kv, &pool->tables()));
+    return backend.to_host_f32(
+        forward_body({*cfg, weights, *rope, backend, *par, mla_absorbed}, step, kv, &pool->tables()));
   }
 };
 
@@ -57,6 +59,7 @@ Result<std::unique_ptr<ShardedModel>> ShardedModel::create(const Model& model, i
     MOELORA_ASSIGN_OR_RETURN(rank->layout, make_rank_layout(cfg, ParallelPlan{tp, ep, r}));
     rank->cfg = &sm->cfg_;
     rank->rope = &sm->rope_;
+    rank->mla_absorbed = model.mla_absorbed();
     rank->weights = shard_model_weights(cfg, model.weights(), rank->layout);
     rank->pool = std::make_unique<LoraSlotPool>(rank->layout.local, rank->backend, num_slots);
     rank->world = sm->groups_->world->communicator(r);
@@ -95,11 +98,11 @@ void ShardedModel::release(int slot) {
 
 void ShardedModel::alloc_kv_cache(int num_pages, int page_size) {
   for (auto& rank : ranks_) {
-    const ModelConfig& loc = rank->layout.local;
+    // The rank's heads (decompressed), or the whole latent (absorbed: it is not cut by heads).
+    const KvShape s = kv_shape(rank->layout.local, rank->mla_absorbed);
     rank->kv.clear();
     for (int l = 0; l < cfg_.num_layers; ++l)
-      rank->kv.push_back(rank->backend.alloc_kv_layer(num_pages, page_size, loc.attn_kv_heads(), loc.attn_k_head_dim(),
-                                                      loc.attn_v_head_dim()));
+      rank->kv.push_back(rank->backend.alloc_kv_layer(num_pages, page_size, s.kv_heads, s.k_head_dim, s.v_head_dim));
   }
 }
 

@@ -37,7 +37,8 @@ class ShardedModel {
   Result<int> acquire(const std::shared_ptr<const LoraAdapter>& adapter);
   void release(int slot);
 
-  // Every rank's KV cache: `num_pages` pages of `page_size` positions (its own heads only).
+  // Every rank's KV cache: `num_pages` pages of `page_size` positions (its own heads only; an
+  // absorbed-MLA model's latent cache is whole on every rank). The model's MLA form is kept.
   void alloc_kv_cache(int num_pages, int page_size);
 
   // One step on all ranks (threads); the logits of batch.logit_rows as a host float32 tensor

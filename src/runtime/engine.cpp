@@ -69,7 +69,7 @@ size_t warm_up_largest_step(Model& model, Backend& backend, const EngineOptions&
 Result<int> size_kv_cache(Model& model, Backend& backend, const EngineOptions& o, int max_len) {
   const ModelConfig& c = model.config();
   const int per_seq = (max_len + o.kv_page_size - 1) / o.kv_page_size;
-  const size_t page_bytes = kv_page_bytes(c, o.kv_page_size, dtype_size(backend.act_dtype()));
+  const size_t page_bytes = kv_page_bytes(c, model.kv_shape(), o.kv_page_size, dtype_size(backend.act_dtype()));
   size_t free = 0, total = 0;
   if (!backend.device_memory(&free, &total)) {
     if (o.kv_num_pages > 0) return o.kv_num_pages;
@@ -304,9 +304,12 @@ Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Backend> backend,
   impl->scheduler = std::make_unique<Scheduler>(opts, *impl->pages, *impl->slots, *impl->registry);
   impl->backend = std::move(backend);
   impl->model = std::move(model);
-  MOELORA_LOG_INFO("engine: {} on {}, {} KV pages of {} positions, {} adapter slots, max model length {}",
-                   arch_name(cfg.arch), impl->backend->name(), num_pages, opts.kv_page_size, opts.max_loras_per_batch,
-                   impl->max_len);
+  MOELORA_LOG_INFO("engine: {} on {}{}, {} KV pages of {} positions, {} adapter slots, max model length {}",
+                   arch_name(cfg.arch), impl->backend->name(),
+                   !cfg.is_mla() ? ""
+                   : impl->model->mla_absorbed() ? " (MLA absorbed: latent KV cache)"
+                                                 : " (MLA decompressed: per-head KV cache)",
+                   num_pages, opts.kv_page_size, opts.max_loras_per_batch, impl->max_len);
   std::unique_ptr<Engine> e(new Engine(std::move(impl)));
   Impl* p = e->impl_.get();
   p->thread = std::thread([p] { p->loop(); });

@@ -96,7 +96,7 @@ Status verify_checkpoint(const fs::path& folder, const std::string& model_name, 
   const std::string what = (folder / "cases.json").string();
   MOELORA_ASSIGN_OR_RETURN(std::string model_dir, json_get_string(ck, "model_dir", what));
   MOELORA_ASSIGN_OR_RETURN(std::string expected_file, json_get_string(ck, "expected", what));
-  MOELORA_ASSIGN_OR_RETURN(auto model, Model::load((folder / model_dir).string(), backend));
+  MOELORA_ASSIGN_OR_RETURN(auto model, Model::load((folder / model_dir).string(), backend, opts.model));
   const ModelConfig& cfg = model->config();
   MOELORA_ASSIGN_OR_RETURN(auto expected, SafetensorsFile::open((folder / expected_file).string()));
 

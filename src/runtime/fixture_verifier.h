@@ -10,11 +10,11 @@
 #include <vector>
 
 #include "core/status.h"
+#include "model/model.h"
 #include "ops/backend.h"
 
 namespace moelora {
 
-class Model;
 struct LoraAdapter;
 
 // What runs a checkpoint's steps. The default places the adapters in a LoraSlotPool on the
@@ -50,6 +50,7 @@ struct VerifyOptions {
   double ckpt_max_median = 2e-2;
   double ckpt_min_top1 = 0.97;
   MakeStepRunner make_runner;  // empty: Model::forward on the backend
+  ModelOptions model;          // how each checkpoint is loaded (MLA form)
   static VerifyOptions for_bf16() {
     VerifyOptions o;
     o.exact = false;

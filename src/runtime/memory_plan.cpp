@@ -27,9 +27,8 @@ size_t adapter_slot_bytes(const ModelConfig& c, int rank) {
   return total;
 }
 
-size_t kv_page_bytes(const ModelConfig& c, int page_size, size_t act_bytes) {
-  return static_cast<size_t>(c.num_layers) * page_size * c.attn_kv_heads() *
-         (c.attn_k_head_dim() + c.attn_v_head_dim()) * act_bytes;
+size_t kv_page_bytes(const ModelConfig& c, const KvShape& kv, int page_size, size_t act_bytes) {
+  return static_cast<size_t>(c.num_layers) * page_size * static_cast<size_t>(kv.values_per_token()) * act_bytes;
 }
 
 Result<MemoryPlan> plan_memory(const MemoryInputs& in) {

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "core/status.h"
+#include "model/model.h"
 #include "model/model_config.h"
 
 namespace moelora {
@@ -37,7 +38,9 @@ Result<MemoryPlan> plan_memory(const MemoryInputs& in);
 // experts included), the size one adapter slot must be able to hold.
 size_t adapter_slot_bytes(const ModelConfig& cfg, int rank);
 
-// Bytes of one KV page of `page_size` positions over all layers, activations of `act_bytes`.
-size_t kv_page_bytes(const ModelConfig& cfg, int page_size, size_t act_bytes);
+// Bytes of one KV page of `page_size` positions over all layers, each layer's cache holding `kv`
+// per position (Model::kv_shape: an MLA model in the absorbed form keeps kv_lora_rank + rope
+// values per token and layer instead of heads x (nope + rope + v)), values of `act_bytes`.
+size_t kv_page_bytes(const ModelConfig& cfg, const KvShape& kv, int page_size, size_t act_bytes);
 
 }  // namespace moelora

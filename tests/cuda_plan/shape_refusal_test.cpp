@@ -14,6 +14,7 @@
 #include "lora/random_adapter.h"
 #include "model/model.h"
 #include "runtime/engine.h"
+#include "tests/testutil/forwarding_backend.h"
 #include "tests/testutil/test_files.h"
 
 namespace moelora {
@@ -21,9 +22,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The CPU backend's ops behind the CUDA backend's start-up checks (CpuBackend is final, so this
-// forwards instead of deriving). `rank_cap` stands for the kernels' rank ceiling.
-class CudaLimitsBackend final : public Backend {
+// The CPU backend's ops behind the CUDA backend's start-up checks. `rank_cap` stands for the
+// kernels' rank ceiling.
+class CudaLimitsBackend final : public testutil::ForwardingCpuBackend {
  public:
   explicit CudaLimitsBackend(int rank_cap = cuda_plan::kMaxLoraRank) : rank_cap_(rank_cap) {}
   mutable int checks = 0;  // calls to check_model_shapes
@@ -35,72 +36,8 @@ class CudaLimitsBackend final : public Backend {
   int max_lora_rank() const override { return rank_cap_; }
 
   std::string name() const override { return "cuda-limits"; }
-  Device device() const override { return cpu_.device(); }
-  DType act_dtype() const override { return cpu_.act_dtype(); }
-  Tensor upload(const Tensor& host, DType dtype) override { return cpu_.upload(host, dtype); }
-  LinearWeight upload_linear(const Tensor& w, const Tensor& s, int bo, int bi) override {
-    return cpu_.upload_linear(w, s, bo, bi);
-  }
-  ExpertWeights upload_experts(const std::vector<Tensor>& g, const std::vector<Tensor>& gs, const std::vector<Tensor>& u,
-                               const std::vector<Tensor>& us, const std::vector<Tensor>& d,
-                               const std::vector<Tensor>& ds, int bo, int bi) override {
-    return cpu_.upload_experts(g, gs, u, us, d, ds, bo, bi);
-  }
-  Tensor random_tensor(DType dt, const std::vector<int64_t>& shape, uint64_t seed, float scale) override {
-    return cpu_.random_tensor(dt, shape, seed, scale);
-  }
-  KvLayer alloc_kv_layer(int pages, int page_size, int kv_heads, int kd, int vd) override {
-    return cpu_.alloc_kv_layer(pages, page_size, kv_heads, kd, vd);
-  }
-  DType lora_dtype() const override { return cpu_.lora_dtype(); }
-  LoraModuleTable alloc_lora_table(int slots, int in, int out) override { return cpu_.alloc_lora_table(slots, in, out); }
-  MoeLoraTable alloc_moe_lora_table(int slots, int e, int h, int i) override {
-    return cpu_.alloc_moe_lora_table(slots, e, h, i);
-  }
-  void set_lora_slot(LoraModuleTable& t, int slot, const Tensor& a, const Tensor& b, int rank) override {
-    cpu_.set_lora_slot(t, slot, a, b, rank);
-  }
-  void set_moe_lora_slot(MoeLoraTable& t, int slot, const MoeLoraSlot& s) override { cpu_.set_moe_lora_slot(t, slot, s); }
-  const StepBatch& begin_step(const StepBatch& b) override { return cpu_.begin_step(b); }
-  Tensor alloc(int64_t rows, int64_t cols, DType dt) override { return cpu_.alloc(rows, cols, dt); }
-  Tensor alloc_act(int64_t rows, int64_t cols) override { return cpu_.alloc_act(rows, cols); }
-  size_t scratch_mark() override { return cpu_.scratch_mark(); }
-  void scratch_release(size_t mark) override { cpu_.scratch_release(mark); }
-  void embed(const Tensor& table, Tensor out) override { cpu_.embed(table, out); }
-  void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor out) override { cpu_.rmsnorm(x, w, eps, out); }
-  void linear(const Tensor& x, const LinearWeight& w, const LoraModuleTable* l, Tensor out) override {
-    cpu_.linear(x, w, l, out);
-  }
-  void rope(Tensor x, int heads, int stride, int off, const RopeTable& r) override { cpu_.rope(x, heads, stride, off, r); }
-  void attention(const Tensor& q, const Tensor& k, const Tensor& v, KvLayer& kv, int heads, float scale,
-                 Tensor out) override {
-    cpu_.attention(q, k, v, kv, heads, scale, out);
-  }
-  void silu_mul(const Tensor& g, const Tensor& u, Tensor out) override { cpu_.silu_mul(g, u, out); }
-  void add(const Tensor& x, Tensor inout) override { cpu_.add(x, inout); }
-  void router_logits(const Tensor& x, const LinearWeight& g, Tensor out) override { cpu_.router_logits(x, g, out); }
-  void topk_softmax(const Tensor& l, int k, bool renorm, Tensor ids, Tensor w) override {
-    cpu_.topk_softmax(l, k, renorm, ids, w);
-  }
-  void topk_sigmoid_grouped(const Tensor& l, const Tensor& bias, int k, int ng, int tg, bool renorm, float scaling,
-                            Tensor ids, Tensor w) override {
-    cpu_.topk_sigmoid_grouped(l, bias, k, ng, tg, renorm, scaling, ids, w);
-  }
-  void moe(const Tensor& x, const Tensor& ids, const Tensor& w, const ExpertWeights& e, const MoeLoraTable* l,
-           Tensor out) override {
-    cpu_.moe(x, ids, w, e, l, out);
-  }
-  void gather_logit_rows(const Tensor& x, Tensor out) override { cpu_.gather_logit_rows(x, out); }
-  void mla_split_kv(const Tensor& kv, const Tensor& kpe, int heads, int nope, int vd, Tensor k, Tensor v) override {
-    cpu_.mla_split_kv(kv, kpe, heads, nope, vd, k, v);
-  }
-  Tensor to_host_f32(const Tensor& t) override { return cpu_.to_host_f32(t); }
-  std::vector<SampleOutput> sample(const Tensor& logits, const std::vector<SampleRow>& rows) override {
-    return cpu_.sample(logits, rows);
-  }
 
  private:
-  CpuBackend cpu_;
   int rank_cap_;
 };
 

@@ -1,5 +1,6 @@
 // Isolation invariant on the CPU: a batch that mixes every adapter and the base model reproduces
-// each request run alone, bit for bit (prefill and decode, all three architectures, bf16 and FP8).
+// each request run alone, bit for bit (prefill and decode, all three architectures, bf16 and FP8;
+// DeepSeek-V3 in both MLA forms: the absorbed one applies each token's kv_b LoRA inside attention).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -65,14 +66,25 @@ std::vector<std::vector<float>> run_batch(Model& model, const LoraTables& tables
   return out;
 }
 
-class Isolation : public ::testing::TestWithParam<std::string> {};
+struct Fixture {
+  std::string checkpoint;
+  MlaMode mla;
+};
+
+void PrintTo(const Fixture& f, std::ostream* os) {
+  *os << f.checkpoint;
+  if (f.checkpoint.rfind("deepseekv3", 0) == 0) *os << " (MLA " << mla_mode_name(f.mla) << ")";
+}
+
+class Isolation : public ::testing::TestWithParam<Fixture> {};
 
 TEST_P(Isolation, MixedBatchEqualsEachRequestAloneBitForBit) {
-  const std::string model_dir = testutil::fixture_path(GetParam());
+  const std::string model_dir = testutil::fixture_path(GetParam().checkpoint);
   const std::string arch_dir = model_dir.substr(0, model_dir.rfind('/'));
   CpuBackend backend;
-  auto model = Model::load(model_dir, backend);
+  auto model = Model::load(model_dir, backend, ModelOptions{GetParam().mla});
   ASSERT_TRUE(model.ok()) << model.status().message();
+  ASSERT_EQ((*model)->mla_absorbed(), GetParam().mla == MlaMode::kAbsorbed);
   const ModelConfig& cfg = (*model)->config();
   const std::vector<std::string> names = {"attn-r8", "full-r16", "mlp-rslora-r4", "pattern", "full-r16-per-expert"};
   // Slots deliberately not in load order: slot numbers must not matter.
@@ -102,15 +114,23 @@ TEST_P(Isolation, MixedBatchEqualsEachRequestAloneBitForBit) {
   EXPECT_NE(std::memcmp(mixed[0].data(), mixed[1].data(), mixed[0].size() * sizeof(float)), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(AllFixtures, Isolation,
-                         ::testing::Values("qwen3moe/model-bf16", "qwen3moe/model-fp8", "mixtral/model-bf16",
-                                           "mixtral/model-fp8", "deepseekv3/model-bf16", "deepseekv3/model-fp8"),
-                         [](const auto& info) {
-                           std::string n = info.param;
-                           for (char& c : n)
-                             if (c == '/' || c == '-') c = '_';
-                           return n;
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    AllFixtures, Isolation,
+    ::testing::Values(Fixture{"qwen3moe/model-bf16", MlaMode::kDecompressed},
+                      Fixture{"qwen3moe/model-fp8", MlaMode::kDecompressed},
+                      Fixture{"mixtral/model-bf16", MlaMode::kDecompressed},
+                      Fixture{"mixtral/model-fp8", MlaMode::kDecompressed},
+                      Fixture{"deepseekv3/model-bf16", MlaMode::kAbsorbed},
+                      Fixture{"deepseekv3/model-fp8", MlaMode::kAbsorbed},
+                      Fixture{"deepseekv3/model-bf16", MlaMode::kDecompressed},
+                      Fixture{"deepseekv3/model-fp8", MlaMode::kDecompressed}),
+    [](const auto& info) {
+      std::string n = info.param.checkpoint;
+      for (char& c : n)
+        if (c == '/' || c == '-') c = '_';
+      // Models without MLA have one form; keep their names as they were.
+      return n.rfind("deepseekv3", 0) == 0 ? n + "_" + mla_mode_name(info.param.mla) : n;
+    });
 
 }  // namespace
 }  // namespace moelora

@@ -81,7 +81,49 @@ TEST(MemoryPlan, SlotAndPageBytesCountEveryTarget) {
     }
   const size_t experts = 2 * 8 * (64 + 64 + 32 + 64);  // per layer: E x (H + 2I + I + H)
   EXPECT_EQ(adapter_slot_bytes(c, 4), 4 * 2 * (dense + experts));
-  EXPECT_EQ(kv_page_bytes(c, 16, 2), 2u * 16 * 2 * (16 + 16) * 2);
+  EXPECT_EQ(kv_page_bytes(c, kv_shape(c, false), 16, 2), 2u * 16 * 2 * (16 + 16) * 2);
+  // The MLA form means nothing to a GQA model: its cache is the same either way.
+  EXPECT_EQ(kv_page_bytes(c, kv_shape(c, true), 16, 2), kv_page_bytes(c, kv_shape(c, false), 16, 2));
+}
+
+// DeepSeek-V3's shapes: the absorbed form caches kv_lora_rank + rope values per token and layer
+// (the latent c and k_pe), the decompressed form heads x (nope + rope + v); the KV cache a memory
+// budget holds grows by their ratio.
+TEST(MemoryPlan, MlaAbsorbedCachesTheLatentPerToken) {
+  ModelConfig c;
+  c.arch = Arch::kDeepseekV3;
+  c.num_layers = 61;
+  c.num_heads = 128;
+  c.num_kv_heads = 128;
+  c.qk_nope_head_dim = 128;
+  c.qk_rope_head_dim = 64;
+  c.v_head_dim = 128;
+  c.kv_lora_rank = 512;
+  const size_t bf16 = 2;
+  const KvShape latent = kv_shape(c, true), full = kv_shape(c, false);
+  EXPECT_EQ(latent.kv_heads, 1);
+  EXPECT_EQ(latent.k_head_dim, 512 + 64);
+  EXPECT_EQ(latent.v_head_dim, 0);
+  EXPECT_EQ(latent.values_per_token(), 576);
+  EXPECT_EQ(full.values_per_token(), 128 * (128 + 64 + 128));  // 40960
+  // Per token (a page of one position): layers x (kv_lora_rank + rope) x bytes.
+  EXPECT_EQ(kv_page_bytes(c, latent, 1, bf16), 61u * (512 + 64) * bf16);
+  EXPECT_EQ(kv_page_bytes(c, full, 1, bf16), 61u * 128 * (128 + 64 + 128) * bf16);
+  EXPECT_EQ(kv_page_bytes(c, latent, 16, 4), 16u * 61 * 576 * 4);
+
+  // The same budget: the latent cache holds 40960 / 576 = 71.1x the tokens.
+  MemoryInputs in = h200_like();
+  in.pages_per_sequence = 8;
+  in.page_bytes = kv_page_bytes(c, full, 16, bf16);
+  auto decompressed = plan_memory(in);
+  in.page_bytes = kv_page_bytes(c, latent, 16, bf16);
+  auto absorbed = plan_memory(in);
+  ASSERT_TRUE(decompressed.ok() && absorbed.ok());
+  const size_t for_kv = static_cast<size_t>(0.9 * 140 * kGiB) - 40 * kGiB - 6 * kGiB;
+  EXPECT_EQ(decompressed->kv_pages, static_cast<int>(for_kv / kv_page_bytes(c, full, 16, bf16)));
+  EXPECT_EQ(absorbed->kv_pages, static_cast<int>(for_kv / kv_page_bytes(c, latent, 16, bf16)));
+  const double ratio = static_cast<double>(absorbed->kv_pages) / decompressed->kv_pages;
+  EXPECT_NEAR(ratio, 40960.0 / 576.0, 0.1);  // whole pages: ~1e3 decompressed pages round by < 1e-3
 }
 
 }  // namespace

@@ -33,7 +33,6 @@ void rope(float* x, int64_t ldx, int64_t T, const int32_t* positions, int heads,
   }
 }
 
-namespace {
 int64_t cache_row(const StepBatch& b, int seq, int pos, int page_size) {
   const auto& pages = b.seq_pages[seq];
   const int page_index = pos / page_size;
@@ -41,7 +40,17 @@ int64_t cache_row(const StepBatch& b, int seq, int pos, int page_size) {
                     pos, pages.size(), seq);
   return static_cast<int64_t>(pages[page_index]) * page_size + pos % page_size;
 }
-}  // namespace
+
+void softmax_weights(double* p, int n) {
+  double mx = -INFINITY;
+  for (int j = 0; j < n; ++j) mx = std::max(mx, p[j]);
+  double sum = 0.0;
+  for (int j = 0; j < n; ++j) {
+    p[j] = std::exp(p[j] - mx);
+    sum += p[j];
+  }
+  for (int j = 0; j < n; ++j) p[j] /= sum;
+}
 
 void attention(const AttentionArgs& a, KvLayer& kv) {
   const int kw = kv.kv_heads * kv.k_head_dim;
@@ -66,23 +75,17 @@ void attention(const AttentionArgs& a, KvLayer& kv) {
     for (int h = 0; h < a.heads; ++h) {
       const int g = h / group;
       const float* q = a.q + t * a.ldq + static_cast<int64_t>(h) * kv.k_head_dim;
-      double mx = -INFINITY;
       for (int j = 0; j < n; ++j) {
         const float* kr = kc + cache_row(*a.batch, seq, j, kv.page_size) * kw + static_cast<int64_t>(g) * kv.k_head_dim;
         double dot = 0.0;
         for (int d = 0; d < kv.k_head_dim; ++d) dot += static_cast<double>(q[d]) * kr[d];
         p[j] = dot * a.scale;
-        mx = std::max(mx, p[j]);
       }
-      double sum = 0.0;
-      for (int j = 0; j < n; ++j) {
-        p[j] = std::exp(p[j] - mx);
-        sum += p[j];
-      }
+      softmax_weights(p.data(), n);
       std::fill(acc.begin(), acc.end(), 0.0);
       for (int j = 0; j < n; ++j) {
         const float* vr = vc + cache_row(*a.batch, seq, j, kv.page_size) * vw + static_cast<int64_t>(g) * kv.v_head_dim;
-        const double w = p[j] / sum;
+        const double w = p[j];
         for (int d = 0; d < kv.v_head_dim; ++d) acc[d] += w * vr[d];
       }
       float* o = a.out + t * a.ldo + static_cast<int64_t>(h) * kv.v_head_dim;

@@ -60,6 +60,10 @@ class CpuBackend final : public Backend {
   void gather_logit_rows(const Tensor& x, Tensor out) override;
   void mla_split_kv(const Tensor& kv, const Tensor& k_pe, int heads, int nope, int v_dim, Tensor k,
                     Tensor v) override;
+  bool supports_mla_absorbed() const override { return true; }
+  void mla_attention_absorbed(const Tensor& q, const Tensor& latent, const Tensor& k_pe, const LinearWeight& kv_b,
+                              const LoraModuleTable* kv_b_lora, KvLayer& kv, int heads, int nope, int v_dim,
+                              float scale, Tensor out) override;
   Tensor to_host_f32(const Tensor& t) override;
   std::vector<SampleOutput> sample(const Tensor& logits, const std::vector<SampleRow>& rows) override;
 

@@ -55,6 +55,10 @@ void silu_mul(const float* gate, int64_t ldg, const float* up, int64_t ldu, int6
               int64_t ldo);
 
 // ---- Attention
+// Row of the paged cache that holds position `pos` of sequence `seq` (b.seq_pages: its pages).
+int64_t cache_row(const StepBatch& b, int seq, int pos, int page_size);
+// Attention scores p[0..n) -> softmax weights in place: exp(p_j - max p) / sum, in f64.
+void softmax_weights(double* p, int n);
 void rope(float* x, int64_t ldx, int64_t T, const int32_t* positions, int heads, int head_stride,
           int rot_offset, const RopeTable& rope);
 struct AttentionArgs {
@@ -71,6 +75,24 @@ struct AttentionArgs {
 };
 // Writes k/v of every token into the cache, then causal attention (see Backend::attention).
 void attention(const AttentionArgs& a, KvLayer& kv);
+// DeepSeek MLA in the absorbed form (see Backend::mla_attention_absorbed): the cache holds
+// (c, k_pe) per position; kv_b and its LoRA are applied on the query and output sides.
+struct MlaAbsorbedArgs {
+  const float* q; int64_t ldq;            // [T, heads * (nope + rope)], rope dims rotated
+  const float* latent; int64_t ldc;       // [T, R]  (R = kv_lora_rank)
+  const float* k_pe; int64_t ldpe;        // [T, rope], rotated
+  const float* w_kv_b;                    // [heads * (nope + v_dim), R]
+  const LoraModuleTable* lora;            // kv_b's (in R, out heads * (nope + v_dim)); nullptr = none
+  float* out; int64_t ldo;                // [T, heads * v_dim]
+  int64_t T;
+  int heads, nope, rope, v_dim, R;
+  float scale;
+  const int32_t* positions;
+  const int32_t* token_seq;
+  const int32_t* slot;                    // [T] adapter slot or -1
+  const StepBatch* batch;                 // page tables
+};
+void mla_attention_absorbed(const MlaAbsorbedArgs& a, KvLayer& kv);
 
 // ---- Routing and experts
 void topk_softmax(const float* logits, int64_t T, int E, int k, bool renormalize, int32_t* ids, float* w);
