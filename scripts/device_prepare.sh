@@ -11,6 +11,8 @@ for lib in libfmt.so.9 libspdlog.so.1.10 libpcre2-8.so.0 libssl.so.3 libcrypto.s
 done
 strip --strip-debug "$build/tools/moelora" -o "$root/.device/moelora"
 strip --strip-debug "$build/tests/ops/moelora_op_suite" -o "$root/.device/moelora_op_suite"
-# The MoE workbench (dev/moe_bench.cu), when it was built.
+# The workbenches, when they were built: MoE (dev/moe_bench.cu).
 [ -x "$build/dev/dev_moe_bench" ] && strip --strip-debug "$build/dev/dev_moe_bench" -o "$root/.device/dev_moe_bench"
+# The sampler (dev/sampling.cu).
+[ -x "$build/dev/dev_sampling" ] && strip --strip-debug "$build/dev/dev_sampling" -o "$root/.device/dev_sampling"
 ls -la "$root/.device" "$root/.device/lib" | awk '{print $5, $9}'

@@ -10,6 +10,8 @@
 #   moe      the MoE workbench (checks, FP8 regime x tile sweep, prefill) and an ncu profile of
 #            the grouped GEMMs at 256 tokens in both regimes
 #   moefull  the whole MoE workbench (every table of bench/RESULTS.md's MoE section)
+#   sampler  the sampling op tests and the sampler workbench (cluster size x rows x logits)
+# SERVE_CONC (default "1 16 64 256") lists the concurrencies of the random-weight serving runs.
 set -uo pipefail
 export LD_LIBRARY_PATH=$PWD/.device/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 out=${OUT:-/tmp}
@@ -59,7 +61,7 @@ for stage in $stages; do
       > $out/serve_random.log 2>&1 &
     pid=$!
     for i in $(seq 1 240); do curl -sf localhost:8124/health >/dev/null && break; sleep 0.5; done
-    for c in 1 16 64 256; do
+    for c in ${SERVE_CONC:-1 16 64 256}; do
       for ad in 0 8; do
         if [ $ad = 0 ]; then sel="--include-base --adapters 0"; else sel="--adapters 8"; fi
         echo "-- concurrency $c adapters $ad"
@@ -83,6 +85,13 @@ for stage in $stages; do
           $out/ncu_moe_T256_tile16_act8_$a8.log | head -24
       done
     fi ;;
+  sampler)
+    echo "== sampling op tests"
+    timeout 200 ./.device/moelora_op_suite --gtest_brief=1 --gtest_filter='*Sample*' > $out/op_suite_sampling.log 2>&1; echo "exit $?"
+    grep -E "FAILED|PASSED|Failure" $out/op_suite_sampling.log | head -20; tail -3 $out/op_suite_sampling.log
+    echo "== sampler workbench"
+    timeout 240 ./.device/dev_sampling > $out/sampling_bench.log 2>&1; echo "exit $?"
+    cat $out/sampling_bench.log ;;
   moefull)
     echo "== MoE workbench (full)"
     timeout 500 ./.device/dev_moe_bench > $out/moe_bench.log 2>&1; echo "exit $?"

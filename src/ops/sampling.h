@@ -132,14 +132,18 @@ MOELORA_HD double uniform(uint64_t seed, uint64_t step, uint32_t token) {
 }
 
 // Gumbel-max key: argmax over the kept tokens of v / T + G draws exactly from softmax(v / T)
-// restricted to them.
-MOELORA_HD double gumbel_key(float v, double inv_t, uint64_t seed, uint64_t step, uint32_t token) {
-  const double g = -log(-log(uniform(seed, step, token)));
+// restricted to them. `gumbel_key_of` takes the token's uniform draw u (the device computes u once
+// and only evaluates this exact key for tokens a cheaper estimate cannot rule out).
+MOELORA_HD double gumbel_key_of(float v, double inv_t, double u) {
+  const double g = -log(-log(u));
 #if defined(__CUDA_ARCH__)
   return __dadd_rn(__dmul_rn(static_cast<double>(v), inv_t), g);  // no fused multiply-add: as the host
 #else
   return static_cast<double>(v) * inv_t + g;
 #endif
+}
+MOELORA_HD double gumbel_key(float v, double inv_t, uint64_t seed, uint64_t step, uint32_t token) {
+  return gumbel_key_of(v, inv_t, uniform(seed, step, token));
 }
 
 }  // namespace sampling

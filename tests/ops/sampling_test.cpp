@@ -3,11 +3,13 @@
 // kLogprobAbs. The contract (ops/backend.h) makes every decision with exact integer masses or
 // single correctly rounded double operations; the only allowed difference is a device exp/log
 // ulp right at a decision boundary, which these random cases do not hit (a mismatch fails).
+#include <bit>
 #include <cmath>
 #include <map>
 
 #include "backends/cpu/cpu_ops.h"
 #include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/kernels/sampling.cuh"
 #include "tests/ops/op_suite.h"
 
 namespace moelora::ops_test {
@@ -136,6 +138,10 @@ std::vector<SampleCase> sample_cases() {
       {"allowed", 8, 4096, params(1.0f, 0, 0.9f), false, true, true},
       {"allowed-greedy", 4, 1000, params(0.0f), false, false, true},
       {"many-rows", 256, 4096, params(1.0f, 0, 0.95f, 0.0f, 1)},
+      // Row counts on both sides of the backend's cluster-size steps (cuda_plan::choose_sample_cluster).
+      {"topp-40rows", 40, kQwen, params(0.8f, 0, 0.9f, 0.0f, 2)},
+      {"topk-topp-100rows", 100, 32000, params(1.0f, 64, 0.9f)},
+      {"topp-300rows", 300, 4096, params(0.7f, 0, 0.8f, 0.0f, 4), true, true},
   };
 }
 std::string sample_name(const ::testing::TestParamInfo<SampleCase>& i) { return gtest_safe(i.param.name()); }
@@ -143,6 +149,51 @@ INSTANTIATE_TEST_SUITE_P(Sample, Sample, ::testing::ValuesIn(sample_cases()), sa
 INSTANTIATE_TEST_SUITE_P(SanitizeSample, Sample,
                          ::testing::Values(SampleCase{"san", 4, 600, params(0.9f, 10, 0.8f, 0.0f, 3), true, true}),
                          sample_name);
+
+// The kernel's results are bit-identical for every cluster size (ops/backend.h: a row's sample does
+// not depend on the batch; the backend picks the size from the number of rows): the same rows
+// launched with 2, 4, 8 and 16 blocks per row give byte-equal outputs, logprobs included.
+TEST(SampleCluster, EveryClusterSizeGivesTheSameBytes) {
+  MOELORA_REQUIRE_GPU();
+  Rng rng(11);
+  const int V = 151936, R = 12;
+  const int64_t ld = V;
+  std::vector<float> x = make_logits(rng, R, V, ld);
+  for (int i = 0; i < V; i += 97) x[2 * ld + i] = 30.0f;  // a row of many ties at the top
+  std::vector<cuda::DeviceSampleRow> rows(R);
+  for (int r = 0; r < R; ++r) {
+    cuda::DeviceSampleRow& d = rows[r];
+    d = cuda::DeviceSampleRow{};
+    d.temperature = r % 4 == 0 ? 0.0f : 0.6f + 0.1f * (r % 5);
+    d.top_p = r % 3 == 0 ? 1.0f : 0.5f + 0.04f * r;
+    d.top_k = r % 4 == 1 ? 40 : 0;
+    d.min_p = r % 6 == 5 ? 0.02f : 0.0f;
+    d.repetition = 1.0f;
+    d.logprobs = r % 5;
+    d.seed = 0x9E3779B97F4A7C15ull * (r + 1), d.step = static_cast<uint64_t>(r * 131);
+    d.processed = -1;
+  }
+  DeviceArray<float> dx(x);
+  DeviceArray<cuda::DeviceSampleRow> dparams(rows);
+  std::vector<std::vector<uint8_t>> got;
+  const std::array<int, 5> active = cuda::sample_max_active_clusters();
+  for (int c : {2, 4, 8, 16}) {
+    if (active[std::countr_zero(static_cast<unsigned>(c))] == 0) continue;  // a size this GPU cannot run
+    DeviceArray<cuda::DeviceSampleResult> out(R);
+    out.poison(0);
+    cuda::SampleParams p;
+    p.logits = dx.get(), p.ld = ld, p.rows = R, p.vocab = V;
+    p.params = dparams.get(), p.out = out.get(), p.cluster = c;
+    cuda::launch_sample(p, nullptr);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<cuda::DeviceSampleResult> res = out.download();
+    const auto* b = reinterpret_cast<const uint8_t*>(res.data());
+    got.emplace_back(b, b + res.size() * sizeof(cuda::DeviceSampleResult));
+    EXPECT_TRUE(out.guard_intact()) << "cluster " << c;
+  }
+  ASSERT_GE(got.size(), 3u);
+  for (size_t i = 1; i < got.size(); ++i) EXPECT_TRUE(got[i] == got[0]) << "cluster size #" << i << " differs from 2";
+}
 
 // Seeded streams: 4000 consecutive steps of one request under top-p give the reference's tokens.
 TEST(SampleStream, SameTokensAsReferenceEveryStep) {

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <map>
 #include <string>
 
@@ -73,6 +74,8 @@ struct CudaBackend::Sampler {
   StagedBuffer in, out;
   float* processed = nullptr;
   size_t processed_bytes = 0;
+  std::array<int, 5> max_active_clusters{};  // of the sampling kernel, asked once (cuda_plan input)
+  bool clusters_known = false;
   ~Sampler() {
     if (processed) cudaFree(processed);
   }

@@ -8,6 +8,7 @@
 #include "backends/cuda/cuda_backend_internal.h"
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/kernels/sampling.cuh"
+#include "backends/cuda_plan/sample_choices.h"
 
 namespace moelora {
 
@@ -89,6 +90,8 @@ std::vector<SampleOutput> CudaBackend::sample(const Tensor& logits, const std::v
   sp.params = reinterpret_cast<const cuda::DeviceSampleRow*>(dbase + off_rows);
   sp.processed = processed;
   sp.out = static_cast<cuda::DeviceSampleResult*>(s.out.dev);
+  if (!s.clusters_known) s.max_active_clusters = cuda::sample_max_active_clusters(), s.clusters_known = true;
+  sp.cluster = cuda_plan::choose_sample_cluster(R, s.max_active_clusters);
   cuda::launch_sample(sp, main_);
   MOELORA_CUDA_CHECK(cudaMemcpyAsync(s.out.host, s.out.dev, R * sizeof(cuda::DeviceSampleResult),
                                      cudaMemcpyDeviceToHost, main_));

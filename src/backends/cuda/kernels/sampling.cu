@@ -1,8 +1,18 @@
-// Device sampling (sampling.cuh). One thread-block cluster of kCluster blocks per row: each block
-// takes every kCluster-th slice of the vocabulary, and the row's reductions and radix histograms
-// are combined in the leader block's shared memory (distributed shared memory), so one row is
-// spread over kCluster multiprocessors (a single-block row took ~1.1 ms on the H200). Every
-// vocabulary loop runs `for (base = ...; base < vocab; base += stride)` so whole warps stay
+// Device sampling (sampling.cuh). One thread-block cluster of C blocks per row (C = 2, 4, 8 or 16,
+// chosen by the backend through cuda_plan::choose_sample_cluster): each block takes every C-th
+// 512-wide slice of the vocabulary, and the row's reductions and radix histograms are combined in
+// the leader block's shared memory (distributed shared memory). A row's time is its blocks'
+// instruction stream (~150 instructions per token and pass, one block per SM at 123 registers;
+// ncu, bench/RESULTS.md), so few rows get 16 multiprocessors each and many rows fewer, as many as
+// keep every row's cluster resident at once.
+//
+// The result is bit-identical for every C (so a row's token and logprobs never depend on how many
+// rows share its batch): every decision is an exact integer sum or an exact comparison, and the one
+// floating-point reduction, the raw log-sum-exp, is always taken over the same fixed partition of
+// the vocabulary (kThreads * kMaxCluster lanes, reduced in one fixed tree), whatever C is.
+//
+// Every vocabulary loop (for_row) loads kUnroll values per thread before using them, so a pass
+// waits for memory once per kUnroll elements instead of once per element, and keeps whole warps
 // converged for the warp intrinsics of the histogram.
 #include <cooperative_groups.h>
 
@@ -19,9 +29,18 @@ namespace cg = cooperative_groups;
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr int kCluster = 8;
-constexpr int kStride = kThreads * kCluster;
+constexpr int kMinCluster = 2;   // a smaller one would need more log-sum-exp partials per thread
+constexpr int kMaxCluster = 16;  // a non-portable cluster size (Hopper allows 16 with an opt-in)
+// The log-sum-exp's partition: lane j of kThreads * kMaxCluster owns the tokens i with
+// i % (kThreads * kMaxCluster) == j and sums them in increasing i; lanes are reduced kThreads at a
+// time as one block would (shuffle tree, then warps in order) and the kMaxCluster results in
+// order. Blocks of a smaller cluster hold several of these "virtual blocks".
+constexpr int kUnroll = 8;  // loads in flight per thread in a vocabulary loop; a multiple of 16 / C
 constexpr uint32_t kAllIds = 0xFFFFFFFFu;
+constexpr unsigned kFull = 0xffffffffu;
+// A warp's histogram update adds masses group by group (warp reductions) while its lanes fall in at
+// most this many distinct bins, and lane by lane (shared atomics) beyond.
+constexpr int kMaxAggregatedGroups = 4;
 
 using sampling::order_key;
 
@@ -65,12 +84,12 @@ struct Smem {
   unsigned long long need, tie_mass;
   uint32_t digit, tie_cnt;
   int done;
-  // Leader only: one part per block of the cluster.
-  KeyId part_first[kCluster];
-  float part_pmax[kCluster];
-  Lse part_lse[kCluster];
-  double part_key[kCluster];
-  int part_best[kCluster];
+  // Leader only: one part per block of the cluster (the log-sum-exp: per virtual block).
+  KeyId part_first[kMaxCluster];
+  float part_pmax[kMaxCluster];
+  Lse part_lse[kMaxCluster];
+  double part_key[kMaxCluster];
+  int part_best[kMaxCluster];
   int n_top;
   uint32_t top_key[kMaxTopLogprobs];
   int top_id[kMaxTopLogprobs];
@@ -80,73 +99,129 @@ struct Smem {
 // distinct bin of the warp (logits crowd into few bins in the first passes, where per-lane
 // atomics serialise).
 __device__ void hist_add(Smem& s, bool active, uint32_t bin, bool by_mass, unsigned long long q) {
-  const unsigned act = __ballot_sync(0xffffffffu, active);
+  const unsigned act = __ballot_sync(kFull, active);
   if (!act) return;
-  const unsigned peers = __match_any_sync(0xffffffffu, active ? bin : 0xFFFFFFFFu);
+  const unsigned peers = __match_any_sync(kFull, active ? bin : 0xFFFFFFFFu);
   const int lane = threadIdx.x & 31;
-  if (active && lane == __ffs(peers) - 1) atomicAdd(&s.cnt[bin], static_cast<uint32_t>(__popc(peers)));
+  const bool leader = active && lane == __ffs(peers) - 1;
+  if (leader) atomicAdd(&s.cnt[bin], static_cast<uint32_t>(__popc(peers)));
   if (!by_mass) return;
+  // Past the first pass the active lanes mostly fall in different bins: one atomic each is then
+  // cheaper than a reduction per group (integer sums: the same result either way).
+  if (__popc(__ballot_sync(kFull, leader)) > kMaxAggregatedGroups) {
+    if (active && q) atomicAdd(&s.mass[bin], q);
+    return;
+  }
   // q <= 2^32: split so that 32-lane sums fit in 32 bits.
   const unsigned lo = active ? static_cast<unsigned>(q & 0xFFFFu) : 0u;
   const unsigned hi = active ? static_cast<unsigned>(q >> 16) : 0u;
   unsigned todo = act;
   while (todo) {
     const int l = __ffs(todo) - 1;
-    const unsigned g = __shfl_sync(0xffffffffu, peers, l);
+    const unsigned g = __shfl_sync(kFull, peers, l);
     const bool mine = (g >> lane) & 1u;
-    const unsigned ls = __reduce_add_sync(0xffffffffu, mine ? lo : 0u);
-    const unsigned hs = __reduce_add_sync(0xffffffffu, mine ? hi : 0u);
+    const unsigned ls = __reduce_add_sync(kFull, mine ? lo : 0u);
+    const unsigned hs = __reduce_add_sync(kFull, mine ? hi : 0u);
     if (lane == l && (ls | hs)) atomicAdd(&s.mass[bin], (static_cast<unsigned long long>(hs) << 16) + ls);
     todo &= ~g;
   }
 }
 
-// Walks the row's bins (from the best) to the one where the running total reaches L.need; leaves
-// its digit and the need left inside it. One thread of the leader.
-__device__ void walk(Smem& L, bool by_mass, bool ascending) {
-  unsigned long long cum = 0;
-  for (int j = 0; j < 256; ++j) {
-    const int b = ascending ? j : 255 - j;
-    const unsigned long long w = by_mass ? L.row_mass[b] : L.row_cnt[b];
-    if (w > 0 && cum + w >= L.need) {
-      L.digit = b, L.need -= cum, L.tie_cnt = L.row_cnt[b], L.tie_mass = L.row_mass[b];
-      return;
+// Calls f(i, v, in_range) for every token i of the row this thread owns in a cluster of C blocks:
+// i = rank * kThreads + threadIdx.x + k * C * kThreads, k = 0, 1, ... in order, with v = p[i]
+// (0 past the end). kUnroll loads are issued before any is used. The loop bound is the same for
+// every thread of the block, and f is called by all lanes together (in_range false past the end),
+// so f may use warp intrinsics. `u` (0..kUnroll-1) is k % kUnroll.
+template <int C, typename F>
+__device__ __forceinline__ void for_row(const float* p, int vocab, int rank, F f) {
+  constexpr int stride = C * kThreads;
+  for (int block_base = rank * kThreads; block_base < vocab; block_base += stride * kUnroll) {
+    const int base = block_base + static_cast<int>(threadIdx.x);
+    float v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * stride;
+      v[u] = i < vocab ? p[i] : 0.0f;
     }
-    cum += w;
-  }
-  // Unreachable when need <= the total (the callers guarantee it); keep the last non-empty bin.
-  for (int j = 255; j >= 0; --j) {
-    const int b = ascending ? j : 255 - j;
-    if (L.row_cnt[b]) {
-      L.digit = b, L.need = 1, L.tie_cnt = L.row_cnt[b], L.tie_mass = L.row_mass[b];
-      return;
-    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) f(u, base + u * stride, v[u], base + u * stride < vocab);
   }
 }
 
-// One histogram pass over the row: this block's tokens (i in its slices) for which `active(i, v)`
-// gives a bin, summed into the leader's row histogram. Ends with the row histogram complete.
-template <typename Bin>
+// Walks the row's bins (from the best) to the one where the running total reaches L.need; leaves
+// its digit and the need left inside it. One warp of the leader: lane l holds the bins 8l..8l+7 of
+// the walk order, a prefix sum over the lanes finds the lane of the boundary, which walks its 8.
+// Exactly the serial walk: the first bin b with w_b > 0 and (sum of the w before b) + w_b >= need.
+__device__ void walk(Smem& L, bool by_mass, bool ascending) {
+  const int lane = threadIdx.x & 31;
+  unsigned long long w[8], sum = 0;
+  bool any_cnt = false;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const int j = lane * 8 + k, b = ascending ? j : 255 - j;
+    w[k] = by_mass ? L.row_mass[b] : L.row_cnt[b];
+    sum += w[k];
+    any_cnt |= L.row_cnt[b] != 0;
+  }
+  unsigned long long incl = sum;
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned long long t = __shfl_up_sync(kFull, incl, o);
+    if (lane >= o) incl += t;
+  }
+  const unsigned long long need = L.need;
+  __syncwarp();  // every lane has read the bins and the need before one lane writes the result
+  const unsigned hit = __ballot_sync(kFull, incl >= need && sum > 0);
+  if (hit) {
+    if (lane == __ffs(hit) - 1) {
+      unsigned long long cum = incl - sum;
+      for (int k = 0; k < 8; ++k) {
+        const int j = lane * 8 + k, b = ascending ? j : 255 - j;
+        if (w[k] > 0 && cum + w[k] >= need) {
+          L.digit = b, L.need = need - cum, L.tie_cnt = L.row_cnt[b], L.tie_mass = L.row_mass[b];
+          break;
+        }
+        cum += w[k];
+      }
+    }
+  } else {
+    // Unreachable when need <= the total (the callers guarantee it); keep the last non-empty bin.
+    const unsigned nz = __ballot_sync(kFull, any_cnt);
+    if (nz && lane == 31 - __clz(nz)) {
+      for (int k = 7; k >= 0; --k) {
+        const int j = lane * 8 + k, b = ascending ? j : 255 - j;
+        if (L.row_cnt[b]) {
+          L.digit = b, L.need = 1, L.tie_cnt = L.row_cnt[b], L.tie_mass = L.row_mass[b];
+          break;
+        }
+      }
+    }
+  }
+  __syncwarp();
+}
+
+// The leader's row histogram is cleared by the warp that last read it (kernel start, and after
+// every walk), before the cluster barrier that lets the blocks add to it again.
+__device__ void clear_row_histogram(Smem& L) {
+  for (int b = threadIdx.x & 31; b < 256; b += 32) L.row_cnt[b] = 0, L.row_mass[b] = 0;
+}
+
+// One histogram pass over the row: this block's tokens for which `bin_of(i, v, &bin)` is true,
+// summed into the leader's (already clear) row histogram. Ends with the row histogram complete.
+template <int C, typename Bin>
 __device__ void row_histogram(const float* p, int vocab, bool by_mass, float pmax, double inv_t, Smem& sm, Smem* L,
                               cg::cluster_group& cluster, Bin bin_of) {
-  for (int b = threadIdx.x; b < 256; b += kThreads) {
-    sm.cnt[b] = 0, sm.mass[b] = 0;
-    if (cluster.block_rank() == 0) sm.row_cnt[b] = 0, sm.row_mass[b] = 0;
-  }
-  cluster.sync();  // the row histogram is clear before any block adds to it
-  const int start = static_cast<int>(cluster.block_rank()) * kThreads;
-  for (int base = start; base < vocab; base += kStride) {
-    const int i = base + threadIdx.x;
+  for (int b = threadIdx.x; b < 256; b += kThreads) sm.cnt[b] = 0, sm.mass[b] = 0;
+  __syncthreads();
+  for_row<C>(p, vocab, static_cast<int>(cluster.block_rank()), [&](int, int i, float v, bool in_range) {
     bool act = false;
     uint32_t bin = 0;
     unsigned long long q = 0;
-    if (i < vocab) {
-      const float v = p[i];
+    if (in_range) {
       act = bin_of(i, v, &bin);
       if (act && by_mass) q = sampling::mass_q32(v, pmax, inv_t);
     }
     hist_add(sm, act, bin, by_mass, q);
-  }
+  });
   __syncthreads();
   for (int b = threadIdx.x; b < 256; b += kThreads) {
     if (sm.cnt[b]) atomicAdd(&L->row_cnt[b], sm.cnt[b]);
@@ -158,30 +233,39 @@ __device__ void row_histogram(const float* p, int vocab, bool by_mass, float pma
 // The boundary of the first tokens (order: key desc, id asc) inside `outer` whose count (by_mass
 // false) or fixed-point mass (true) reaches `need`. With by_mass, need = ceil(top_p * Z) with Z
 // the mass inside `outer`, from the first pass; a zero target cuts after the row's first token.
+template <int C>
 __device__ Cut radix_select(const float* p, int vocab, const Cut& outer, bool by_mass, float pmax, double inv_t,
                             unsigned long long need, float top_p, KeyId first, Smem& sm, Smem* L,
                             cg::cluster_group& cluster) {
-  const bool lead = cluster.block_rank() == 0 && threadIdx.x == 0;
+  const bool lead_warp = cluster.block_rank() == 0 && threadIdx.x < 32;
+  const int lane = threadIdx.x & 31;
   uint32_t prefix = 0, mask = 0;
   for (int d = 3; d >= 0; --d) {
     const int shift = 8 * d;
-    row_histogram(p, vocab, by_mass, pmax, inv_t, sm, L, cluster, [&](int i, float v, uint32_t* bin) {
+    row_histogram<C>(p, vocab, by_mass, pmax, inv_t, sm, L, cluster, [&](int i, float v, uint32_t* bin) {
       const uint32_t k = order_key(v);
       *bin = (k >> shift) & 255u;
       return (k & mask) == prefix && outer.inside(k, i);
     });
-    if (lead) {
-      L->done = 0;
-      if (d == 3) {
-        L->need = need;
-        if (by_mass) {
-          unsigned long long z = 0;
-          for (int b = 0; b < 256; ++b) z += L->row_mass[b];
-          L->need = static_cast<unsigned long long>(ceil(static_cast<double>(top_p) * static_cast<double>(z)));
-          if (L->need == 0) L->done = 1;  // the first token alone reaches a zero target
+    if (lead_warp) {
+      unsigned long long z = 0;  // the mass inside `outer` (an exact integer sum, any order)
+      if (d == 3 && by_mass) {
+        for (int b = lane; b < 256; b += 32) z += L->row_mass[b];
+        for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(kFull, z, o);
+      }
+      if (lane == 0) {
+        L->done = 0;
+        if (d == 3) {
+          L->need = need;
+          if (by_mass) {
+            L->need = static_cast<unsigned long long>(ceil(static_cast<double>(top_p) * static_cast<double>(z)));
+            if (L->need == 0) L->done = 1;  // the first token alone reaches a zero target
+          }
         }
       }
+      __syncwarp();
       if (!L->done) walk(*L, by_mass, false);
+      clear_row_histogram(*L);
     }
     cluster.sync();
     if (L->done) {
@@ -206,13 +290,15 @@ __device__ Cut radix_select(const float* p, int vocab, const Cut& outer, bool by
   uint32_t id_prefix = 0, id_mask = 0;
   for (int d = 2; d >= 0; --d) {  // ids < 2^24
     const int shift = 8 * d;
-    row_histogram(p, vocab, false, pmax, inv_t, sm, L, cluster, [&](int i, float v, uint32_t* bin) {
+    row_histogram<C>(p, vocab, false, pmax, inv_t, sm, L, cluster, [&](int i, float v, uint32_t* bin) {
       *bin = (static_cast<uint32_t>(i) >> shift) & 255u;
       return order_key(v) == prefix && outer.inside(prefix, i) && (static_cast<uint32_t>(i) & id_mask) == id_prefix;
     });
-    if (lead) {
-      if (d == 2) L->need = take;
+    if (lead_warp) {
+      if (d == 2 && lane == 0) L->need = take;
+      __syncwarp();
       walk(*L, false, true);
+      clear_row_histogram(*L);
     }
     cluster.sync();
     id_prefix |= L->digit << shift;
@@ -259,6 +345,18 @@ __device__ Lse block_lse(Lse v, Smem& sm) {
   return r;
 }
 
+// -log(-log(u)) in f32, within 2e-5 of the f64 value for every u the draw can give
+// ((k + 1/2) 2^-53): -log(u) is taken as log1p(-(1 - u)) for u >= 1/2, where 1 - u is exact in
+// f64, so no precision is lost near u = 1; f32 logf / log1pf are within 2 ulp, the conversions
+// within 2^-24 relative, so -log(u) is within ~3e-7 relative and the outer log within ~3e-7 + 2
+// ulp of |G| <= 38 (7.6e-6) absolute. An estimate below the best estimate by more than twice
+// that bound (kGumbelMargin, with a 25x reserve) cannot belong to the row's winner.
+__device__ float gumbel_estimate(double u) {
+  const float neg_log_u = u < 0.5 ? -logf(static_cast<float>(u)) : -log1pf(-static_cast<float>(1.0 - u));
+  return -logf(neg_log_u);
+}
+constexpr double kGumbelMargin = 1e-3;
+
 // Best Gumbel key (larger key, then lower id; id INT_MAX = none).
 __device__ void best_merge(double& key, int& id, double ok, int oi) {
   if (oi != INT_MAX && (id == INT_MAX || ok > key || (ok == key && oi < id))) key = ok, id = oi;
@@ -286,72 +384,91 @@ __global__ void __launch_bounds__(256) edit_kernel(ProcessParams p) {
       sampling::apply_edit(raw, ed, row.presence, row.frequency, row.repetition);
 }
 
+template <int C>
 __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
+  constexpr int kVirtual = kMaxCluster / C;  // log-sum-exp virtual blocks held by each block
+  static_assert(C >= kMinCluster && kUnroll % kVirtual == 0, "a for_row step must cover whole rounds of virtual blocks");
   __shared__ Smem sm;
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   Smem* L = cluster.map_shared_rank(&sm, 0);
-  const int r = blockIdx.x / kCluster;
+  const int r = blockIdx.x / C;
   const DeviceSampleRow row = p.params[r];
   const float* raw = p.logits + static_cast<int64_t>(r) * p.ld;
   const float* x = row.processed >= 0 ? p.processed + static_cast<int64_t>(row.processed) * p.vocab : raw;
   const int V = p.vocab;
-  const int start = rank * kThreads + threadIdx.x;
+  if (rank == 0 && threadIdx.x < 32) clear_row_histogram(sm);  // published by the barrier below
+  // Distributed shared memory may only be touched once every block of the cluster runs: arrive
+  // now, wait just before pass 1 writes its parts into the leader.
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 
-  // Pass 1: the order's first token, the processed maximum, the raw log-sum-exp.
+  // Pass 1: the order's first token, the processed maximum, and the raw log-sum-exp, summed per
+  // virtual block: this thread's k-th token belongs to virtual block rank + (k % kVirtual) * C.
   KeyId first{0, kAllIds};
   float pmax = -INFINITY;
-  Lse lse{-INFINITY, 0.0};
-  for (int i = start; i < V; i += kStride) {
-    const float v = x[i];
+  Lse lse[kVirtual];
+#pragma unroll
+  for (int a = 0; a < kVirtual; ++a) lse[a] = Lse{-INFINITY, 0.0};
+  const bool processed = x != raw;
+  for_row<C>(raw, V, rank, [&](int u, int i, float w, bool in_range) {
+    if (!in_range) return;
+    const float v = processed ? x[i] : w;
     first = better(first, KeyId{order_key(v), static_cast<uint32_t>(i)});
     if (v > pmax) pmax = v;
-    const float w = raw[i];
+    Lse& acc = lse[u % kVirtual];
     if (w > -INFINITY) {
-      if (w > lse.m) {
-        lse.s = (lse.m == -INFINITY ? 0.0 : lse.s * static_cast<double>(expf(lse.m - w))) + 1.0;
-        lse.m = w;
+      if (w > acc.m) {
+        acc.s = (acc.m == -INFINITY ? 0.0 : acc.s * static_cast<double>(expf(acc.m - w))) + 1.0;
+        acc.m = w;
       } else {
-        lse.s += static_cast<double>(expf(w - lse.m));
+        acc.s += static_cast<double>(expf(w - acc.m));
       }
     }
-  }
+  });
   first = block_best(first, sm);
   pmax = block_reduce(pmax, sm.red_f, [](float a, float b) { return fmaxf(a, b); });
-  lse = block_lse(lse, sm);
-  if (threadIdx.x == 0) L->part_first[rank] = first, L->part_pmax[rank] = pmax, L->part_lse[rank] = lse;
+  Lse parts[kVirtual];
+#pragma unroll
+  for (int a = 0; a < kVirtual; ++a) parts[a] = block_lse(lse[a], sm);
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+  if (threadIdx.x == 0)
+    for (int a = 0; a < kVirtual; ++a) L->part_lse[rank + a * C] = parts[a];
+  if (threadIdx.x == 0) L->part_first[rank] = first, L->part_pmax[rank] = pmax;
   cluster.sync();
-  first = L->part_first[0], pmax = L->part_pmax[0], lse = L->part_lse[0];
-  for (int b = 1; b < kCluster; ++b) {  // fixed order: every block gets the same result
-    first = better(first, L->part_first[b]);
-    pmax = fmaxf(pmax, L->part_pmax[b]);
-    lse = lse_merge(lse, L->part_lse[b]);
-  }
-  const double log_z = static_cast<double>(lse.m) + log(lse.s);
+  first = L->part_first[0], pmax = L->part_pmax[0];
+  for (int b = 1; b < C; ++b) first = better(first, L->part_first[b]), pmax = fmaxf(pmax, L->part_pmax[b]);
+  Lse row_lse = L->part_lse[0];
+  for (int b = 1; b < kMaxCluster; ++b) row_lse = lse_merge(row_lse, L->part_lse[b]);  // fixed order
+  const double log_z = static_cast<double>(row_lse.m) + log(row_lse.s);
 
   int token = static_cast<int>(first.id);
   if (row.temperature > 0.0f) {
     const double inv_t = 1.0 / static_cast<double>(row.temperature);
     Cut cut_k, cut_p;
     if (row.top_k > 0 && row.top_k < V)
-      cut_k = radix_select(x, V, Cut{}, false, pmax, inv_t, static_cast<unsigned long long>(row.top_k), -1.0f, first,
-                           sm, L, cluster);
-    if (row.top_p < 1.0f) cut_p = radix_select(x, V, cut_k, true, pmax, inv_t, 0, row.top_p, first, sm, L, cluster);
-    // Gumbel-max over the kept, finite tokens.
+      cut_k = radix_select<C>(x, V, Cut{}, false, pmax, inv_t, static_cast<unsigned long long>(row.top_k), -1.0f,
+                              first, sm, L, cluster);
+    if (row.top_p < 1.0f) cut_p = radix_select<C>(x, V, cut_k, true, pmax, inv_t, 0, row.top_p, first, sm, L, cluster);
+    // Gumbel-max over the kept, finite tokens. The exact key (two f64 logs) is evaluated only for
+    // tokens whose f32 estimate is within kGumbelMargin of the best estimate this thread has seen:
+    // the row's winner always is (see gumbel_estimate), and the winner among the evaluated tokens
+    // is taken on exact keys, so the result is the reference's.
     const double min_q = static_cast<double>(row.min_p) * 4294967296.0;
-    double best_key = -DBL_MAX;
+    double best_key = -DBL_MAX, best_estimate = -DBL_MAX;
     int best = INT_MAX;
-    for (int i = start; i < V; i += kStride) {
-      const float v = x[i];
-      if (!isfinite(v)) continue;
+    for_row<C>(x, V, rank, [&](int, int i, float v, bool in_range) {
+      if (!in_range || !isfinite(v)) return;
       const uint32_t k = order_key(v);
-      if (!cut_k.inside(k, i) || !cut_p.inside(k, i)) continue;
-      if (row.min_p > 0.0f && static_cast<double>(sampling::mass_q32(v, pmax, inv_t)) < min_q) continue;
-      const double g = sampling::gumbel_key(v, inv_t, row.seed, row.step, static_cast<uint32_t>(i));
-      best_merge(best_key, best, g, i);
-    }
+      if (!cut_k.inside(k, i) || !cut_p.inside(k, i)) return;
+      if (row.min_p > 0.0f && static_cast<double>(sampling::mass_q32(v, pmax, inv_t)) < min_q) return;
+      const double u = sampling::uniform(row.seed, row.step, static_cast<uint32_t>(i));
+      const double estimate = __dadd_rn(__dmul_rn(static_cast<double>(v), inv_t), gumbel_estimate(u));
+      if (estimate < best_estimate - kGumbelMargin) return;
+      best_estimate = fmax(best_estimate, estimate);
+      best_merge(best_key, best, sampling::gumbel_key_of(v, inv_t, u), i);
+    });
     for (int o = 16; o > 0; o >>= 1)
-      best_merge(best_key, best, __shfl_xor_sync(0xffffffffu, best_key, o), __shfl_xor_sync(0xffffffffu, best, o));
+      best_merge(best_key, best, __shfl_xor_sync(kFull, best_key, o), __shfl_xor_sync(kFull, best, o));
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     __syncthreads();
     if (lane == 0) sm.red_d[warp] = best_key, sm.red_i[warp] = static_cast<uint32_t>(best);
@@ -363,7 +480,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
     }
     cluster.sync();
     best_key = L->part_key[0], best = L->part_best[0];
-    for (int b = 1; b < kCluster; ++b) best_merge(best_key, best, L->part_key[b], L->part_best[b]);
+    for (int b = 1; b < C; ++b) best_merge(best_key, best, L->part_key[b], L->part_best[b]);
     if (best != INT_MAX) token = best;
   }
 
@@ -371,17 +488,18 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
   const int n = min(row.logprobs, min(V, kMaxTopLogprobs));
   if (n > 0) {
     // Count mode never takes radix_select's zero-target exit, so its `first` argument is unused.
-    const Cut cut = radix_select(raw, V, Cut{}, false, 0.0f, 1.0, static_cast<unsigned long long>(n), -1.0f,
-                                 KeyId{0, kAllIds}, sm, L, cluster);
+    const Cut cut = radix_select<C>(raw, V, Cut{}, false, 0.0f, 1.0, static_cast<unsigned long long>(n), -1.0f,
+                                    KeyId{0, kAllIds}, sm, L, cluster);
     if (rank == 0 && threadIdx.x == 0) L->n_top = 0;
     cluster.sync();
-    for (int i = start; i < V; i += kStride) {
-      const uint32_t k = order_key(raw[i]);
+    for_row<C>(raw, V, rank, [&](int, int i, float w, bool in_range) {
+      if (!in_range) return;
+      const uint32_t k = order_key(w);
       if (cut.inside(k, i)) {
         const int slot = atomicAdd(&L->n_top, 1);
         if (slot < kMaxTopLogprobs) L->top_key[slot] = k, L->top_id[slot] = i;
       }
-    }
+    });
     cluster.sync();
     if (rank == 0 && threadIdx.x == 0) {
       const int m = min(sm.n_top, n);
@@ -408,6 +526,45 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
   cluster.sync();  // no block leaves while another may still read or write its shared memory
 }
 
+template <int C>
+cudaLaunchConfig_t cluster_config(int rows, cudaStream_t stream, cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(rows * C);
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = C;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (C > 8) {  // beyond the portable 8: opt in once (idempotent)
+    MOELORA_CUDA_CHECK(cudaFuncSetAttribute(sample_kernel<C>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  }
+  return cfg;
+}
+
+template <int C>
+void launch_sample_cluster(const SampleParams& p, cudaStream_t stream) {
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = cluster_config<C>(p.rows, stream, attr);
+  MOELORA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sample_kernel<C>, p));
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+// 0 when the device cannot run clusters of C blocks of this kernel.
+template <int C>
+int max_active_clusters() {
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = cluster_config<C>(1, nullptr, attr);
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, sample_kernel<C>, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: clear it so later checks do not see it
+    return 0;
+  }
+  return n;
+}
+
 }  // namespace
 
 void launch_process_logits(const ProcessParams& p, cudaStream_t stream) {
@@ -422,22 +579,20 @@ void launch_process_logits(const ProcessParams& p, cudaStream_t stream) {
   }
 }
 
+std::array<int, 5> sample_max_active_clusters() {
+  return {0, max_active_clusters<2>(), max_active_clusters<4>(), max_active_clusters<8>(), max_active_clusters<16>()};
+}
+
 void launch_sample(const SampleParams& p, cudaStream_t stream) {
   if (p.rows == 0) return;
   MOELORA_CHECK(p.vocab > 0 && p.vocab < (1 << 24) && p.out != nullptr && p.params != nullptr);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(p.rows * kCluster);
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = kCluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  MOELORA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sample_kernel, p));
-  MOELORA_CUDA_CHECK_LAUNCH();
+  switch (p.cluster) {
+    case 2: launch_sample_cluster<2>(p, stream); break;
+    case 4: launch_sample_cluster<4>(p, stream); break;
+    case 8: launch_sample_cluster<8>(p, stream); break;
+    case 16: launch_sample_cluster<16>(p, stream); break;
+    default: MOELORA_CHECK_MSG(false, "sampling cluster size {} is not 2, 4, 8 or 16", p.cluster);
+  }
 }
 
 }  // namespace moelora::cuda

@@ -3,15 +3,17 @@
 //  - launch_process_logits (only when some row has edits): processed rows written to `processed`
 //    (a copy of the raw row, or -inf for restrict_to_allowed rows, then each edit applied from
 //    the raw value);
-//  - launch_sample: one block per row. A pass over the row finds the first token of the order, the
-//    processed maximum and the raw log-sum-exp; top-k and top-p boundaries are found by radix
-//    selection on the order key (8 bits a pass, counts or fixed-point masses in shared memory,
-//    exact integer sums, so the boundary is the reference's); a last pass draws the Gumbel-max
-//    token among the kept ones; top logprobs are a radix selection on the raw row.
+//  - launch_sample: one thread-block cluster of `cluster` blocks per row. A pass over the row finds
+//    the first token of the order, the processed maximum and the raw log-sum-exp; top-k and top-p
+//    boundaries are found by radix selection on the order key (8 bits a pass, counts or
+//    fixed-point masses in shared memory, exact integer sums, so the boundary is the reference's);
+//    a last pass draws the Gumbel-max token among the kept ones; top logprobs are a radix
+//    selection on the raw row.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
 
 #include "ops/sampling.h"
@@ -57,7 +59,11 @@ struct SampleParams {
   const DeviceSampleRow* params = nullptr;
   const float* processed = nullptr;
   DeviceSampleResult* out = nullptr;
+  int cluster = 8;  // blocks per row: 2, 4, 8 or 16 (cuda_plan::choose_sample_cluster); same results for each
 };
 void launch_sample(const SampleParams& p, cudaStream_t stream);
+// How many clusters of 1, 2, 4, 8 and 16 blocks of the sampling kernel the current device holds at
+// once (0: that size cannot run; the kernel takes 2 to 16).
+std::array<int, 5> sample_max_active_clusters();
 
 }  // namespace moelora::cuda
