@@ -7,14 +7,14 @@
 
 namespace moelora::cuda_plan {
 
-// Blocks per row (a power of two up to 16) for `rows` rows, given how many clusters of each size
-// the device holds at once (max_active[i]: clusters of 2^i blocks; 0 = that size cannot run).
+// Blocks per row (2, 4, 8 or 16) for `rows` rows, given how many clusters of each size the device
+// holds at once (max_active[i]: clusters of 2^i blocks; 0 = that size cannot run).
 //
-// Measured on the H200 (dev/sampling.cu, bench/RESULTS.md "Sampler"): a row takes a time
-// inversely proportional to its blocks (151,936 tokens: 1448 / 738 / 382 / 203 us on 1 / 2 / 4 / 8
-// blocks), and rows beyond the resident clusters run in further waves of the same length. So the
-// batch takes about waves(C) / C, waves(C) = ceil(rows / max_active[C]); the smallest wins, the
-// larger C on a tie (fewer rows per SM share its issue slots). 1 if no size can run.
+// The batch takes about waves(C) x row_us(C), waves(C) = ceil(rows / max_active[C]), with row_us
+// one row's time on C blocks as measured on the H200 (dev/sampling.cu run 2, bench/RESULTS.md
+// "Sampler": 151,936 tokens, top-p 0.9: 748 / 388 / 207 / 132 us on 2 / 4 / 8 / 16 blocks; 16 is
+// not twice as fast as 8). Checked against the same run: it picks the measured best at 1, 8, 32,
+// 64, 128 and 256 rows. The smaller C on a tie (fewer waves). 2 if no size can run.
 int choose_sample_cluster(int rows, const std::array<int, 5>& max_active);
 
 }  // namespace moelora::cuda_plan
