@@ -3,8 +3,8 @@
 namespace moelora::cuda_plan {
 
 namespace {
-// One row's time (us) on 1, 2, 4, 8, 16 blocks, H200 run 2 (sample_choices.h); 1 block: unused.
-constexpr std::array<double, 5> kRowUs{0.0, 747.7, 388.1, 206.8, 131.6};
+// One row's time (us) on 1, 2, 4, 8, 16 blocks, H200 run 3 (sample_choices.h); 1 block: unused.
+constexpr std::array<double, 5> kRowUs{0.0, 753.3, 390.9, 210.1, 134.6};
 }  // namespace
 
 int choose_sample_cluster(int rows, const std::array<int, 5>& max_active) {

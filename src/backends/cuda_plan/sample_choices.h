@@ -11,10 +11,11 @@ namespace moelora::cuda_plan {
 // holds at once (max_active[i]: clusters of 2^i blocks; 0 = that size cannot run).
 //
 // The batch takes about waves(C) x row_us(C), waves(C) = ceil(rows / max_active[C]), with row_us
-// one row's time on C blocks as measured on the H200 (dev/sampling.cu run 2, bench/RESULTS.md
-// "Sampler": 151,936 tokens, top-p 0.9: 748 / 388 / 207 / 132 us on 2 / 4 / 8 / 16 blocks; 16 is
-// not twice as fast as 8). Checked against the same run: it picks the measured best at 1, 8, 32,
-// 64, 128 and 256 rows. The smaller C on a tie (fewer waves). 2 if no size can run.
+// one row's time on C blocks as measured on the H200 (dev/sampling.cu run 3, bench/RESULTS.md
+// "Sampler": 151,936 tokens, top-p 0.9: 753 / 391 / 210 / 135 us on 2 / 4 / 8 / 16 blocks; 16 is
+// not twice as fast as 8). Against the same run it picks the measured best at 1, 8, 64, 128 and
+// 256 rows; at 32 it picks 4 blocks (758 us) where 8 took 598 (two blocks sharing an SM slow each
+// other, which the model ignores). The smaller C on a tie (fewer waves). 2 if no size can run.
 int choose_sample_cluster(int rows, const std::array<int, 5>& max_active);
 
 }  // namespace moelora::cuda_plan

@@ -2,9 +2,9 @@
 // chosen by the backend through cuda_plan::choose_sample_cluster): each block takes every C-th
 // 512-wide slice of the vocabulary, and the row's reductions and radix histograms are combined in
 // the leader block's shared memory (distributed shared memory). A row's time is its blocks'
-// instruction stream (~150 instructions per token and pass, one block per SM at 123 registers;
-// ncu, bench/RESULTS.md), so few rows get 16 multiprocessors each and many rows fewer, as many as
-// keep every row's cluster resident at once.
+// instruction stream (~150 instructions per token and pass; ncu, bench/RESULTS.md), so few rows
+// get 16 multiprocessors each and many rows fewer. The kernel is held to 64 registers so that two
+// blocks share an SM: at 123 registers (one block per SM) 256 rows took 4.0 ms instead of 3.2.
 //
 // The result is bit-identical for every C (so a row's token and logprobs never depend on how many
 // rows share its batch): every decision is an exact integer sum or an exact comparison, and the one
@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(256) edit_kernel(ProcessParams p) {
 }
 
 template <int C>
-__global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
+__global__ void __launch_bounds__(kThreads, 2) sample_kernel(SampleParams p) {  // 2 blocks/SM: <= 64 registers
   constexpr int kVirtual = kMaxCluster / C;  // log-sum-exp virtual blocks held by each block
   static_assert(C >= kMinCluster && kUnroll % kVirtual == 0, "a for_row step must cover whole rounds of virtual blocks");
   __shared__ Smem sm;
