@@ -11,7 +11,7 @@ import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
 import OpenAI from 'openai';
 
-import { assertNoLeaks, defaultServeArgs, post, startServer } from './lib/harness.mjs';
+import { assertNoLeaks, post, startServer } from './lib/harness.mjs';
 
 const BASE = 'tiny-qwen3moe';
 let server;
@@ -19,10 +19,8 @@ let client;
 
 before(async () => {
   // The bundled template's tools block alone is ~200 byte-level tokens: the tool conversations
-  // need more context than the harness's default 256 (a flag given twice is refused, so the
-  // default itself is raised, for this process only).
-  defaultServeArgs[defaultServeArgs.indexOf('--max-model-len') + 1] = '1024';
-  server = await startServer();
+  // need more context than the harness's default 256.
+  server = await startServer(['--max-model-len', '1024']);
   client = new OpenAI({ apiKey: 'unused', baseURL: `${server.url}/v1`, maxRetries: 0, timeout: 60000 });
 });
 

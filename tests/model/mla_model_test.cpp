@@ -24,6 +24,7 @@
 #include "lora/slot_pool.h"
 #include "model/model.h"
 #include "tests/testutil/forwarding_backend.h"
+#include "tests/testutil/scripted_steps.h"
 #include "tests/testutil/test_files.h"
 
 namespace moelora {
@@ -68,38 +69,16 @@ std::shared_ptr<const LoraAdapter> without_kv_b(const LoraAdapter& a, const std:
   return out;
 }
 
-struct Seq {
-  std::vector<int32_t> prompt;
-  int slot;
-};
+using Seq = testutil::ScriptedSeq;
 
 // Prefill of every sequence (prompts longer than 6 tokens in two chunks), then `decode` steps.
+// Fed tokens depend on the prompt only, so sequences of one prompt differ only by adapter.
 std::vector<StepBatch> make_steps(const std::vector<Seq>& seqs, int vocab, int page_size, int decode, int* pages_out) {
-  std::vector<std::vector<int32_t>> pages(seqs.size());
-  int next = 0;
-  for (size_t s = 0; s < seqs.size(); ++s)
-    for (int p = 0; p < (static_cast<int>(seqs[s].prompt.size()) + decode + page_size - 1) / page_size; ++p)
-      pages[s].push_back(next++);
-  *pages_out = next;
-  std::vector<StepBatch> steps(2 + decode);
-  for (StepBatch& b : steps) b.seq_pages = pages;
-  auto add = [](StepBatch& b, int32_t id, int pos, int seq, int slot) {
-    b.logit_rows.push_back(b.num_tokens());
-    b.token_ids.push_back(id);
-    b.positions.push_back(pos);
-    b.token_seq.push_back(seq);
-    b.token_slot.push_back(slot);
-  };
-  for (size_t s = 0; s < seqs.size(); ++s) {
-    const int len = static_cast<int>(seqs[s].prompt.size()), first = std::min(len, 6);
-    for (int i = 0; i < len; ++i) add(steps[i < first ? 0 : 1], seqs[s].prompt[i], i, static_cast<int>(s), seqs[s].slot);
-  }
-  for (int d = 0; d < decode; ++d)
-    for (size_t s = 0; s < seqs.size(); ++s)
-      // Fed tokens depend on the prompt only, so sequences of one prompt differ only by adapter.
-      add(steps[2 + d], static_cast<int32_t>((13 * d + 7 * seqs[s].prompt.size() + 1) % vocab),
-          static_cast<int>(seqs[s].prompt.size()) + d, static_cast<int>(s), seqs[s].slot);
-  return steps;
+  testutil::ScriptedSteps r = testutil::scripted_steps(seqs, page_size, decode, 6, [&](int d, int s) {
+    return static_cast<int32_t>((13 * d + 7 * seqs[s].prompt.size() + 1) % vocab);
+  });
+  *pages_out = r.num_pages;
+  return std::move(r.steps);
 }
 
 std::unique_ptr<Model> load(const std::string& rel, Backend& b, MlaMode mode) {

@@ -18,6 +18,7 @@
 #include "lora/slot_pool.h"
 #include "model/model.h"
 #include "parallel/sharded_forward.h"
+#include "tests/testutil/scripted_steps.h"
 #include "tests/testutil/test_files.h"
 
 namespace moelora {
@@ -26,41 +27,15 @@ namespace {
 constexpr double kMaxRowRelError = 2e-6;
 const std::vector<std::string> kAdapters = {"attn-r8", "full-r16", "mlp-rslora-r4", "pattern", "full-r16-per-expert"};
 
-struct Seq {
-  std::vector<int32_t> prompt;
-  int slot;  // -1 = base model
-};
+using Seq = testutil::ScriptedSeq;
 
 // The steps of one run: a prefill of every sequence, then decode steps feeding fixed tokens.
 std::vector<StepBatch> make_steps(const std::vector<Seq>& seqs, int vocab, int page_size, int* num_pages) {
-  const int decode_steps = 2;
-  std::vector<std::vector<int32_t>> pages(seqs.size());
-  int next = 0;
-  for (size_t s = 0; s < seqs.size(); ++s)
-    for (int p = 0; p < (static_cast<int>(seqs[s].prompt.size()) + decode_steps + page_size - 1) / page_size; ++p)
-      pages[s].push_back(next++);
-  *num_pages = next;
-  std::vector<StepBatch> steps(1 + decode_steps);
-  for (StepBatch& b : steps) b.seq_pages = pages;
-  for (size_t s = 0; s < seqs.size(); ++s)
-    for (size_t i = 0; i < seqs[s].prompt.size(); ++i) {
-      steps[0].logit_rows.push_back(steps[0].num_tokens());
-      steps[0].token_ids.push_back(seqs[s].prompt[i]);
-      steps[0].positions.push_back(static_cast<int32_t>(i));
-      steps[0].token_seq.push_back(static_cast<int32_t>(s));
-      steps[0].token_slot.push_back(seqs[s].slot);
-    }
-  for (int d = 0; d < decode_steps; ++d) {
-    StepBatch& b = steps[1 + d];
-    for (size_t s = 0; s < seqs.size(); ++s) {
-      b.logit_rows.push_back(b.num_tokens());
-      b.token_ids.push_back(static_cast<int32_t>((11 * d + 5 * s + 3) % vocab));
-      b.positions.push_back(static_cast<int32_t>(seqs[s].prompt.size()) + d);
-      b.token_seq.push_back(static_cast<int32_t>(s));
-      b.token_slot.push_back(seqs[s].slot);
-    }
-  }
-  return steps;
+  testutil::ScriptedSteps r = testutil::scripted_steps(
+      seqs, page_size, /*decode=*/2, /*first_chunk=*/0,
+      [&](int d, int s) { return static_cast<int32_t>((11 * d + 5 * s + 3) % vocab); });
+  *num_pages = r.num_pages;
+  return std::move(r.steps);
 }
 
 struct Checkpoint {

@@ -17,16 +17,16 @@ export function moeloraBinary() {
 
 // Flags every e2e server gets: loopback, any free port, a short context (so "too long" is
 // cheap to hit), a 1 MiB body limit, runtime LoRA confined to the repository.
-export const defaultServeArgs = [
-  '--host', '127.0.0.1', '--port', '0', '--max-model-len', '256', '--max-request-bytes', '1048576',
-  '--allow-runtime-lora', '--lora-root', repoRoot, '--log-level', 'warn',
+const DEFAULT_SERVE_FLAGS = [
+  ['--host', '127.0.0.1'], ['--port', '0'], ['--max-model-len', '256'], ['--max-request-bytes', '1048576'],
+  ['--allow-runtime-lora'], ['--lora-root', repoRoot], ['--log-level', 'warn'],
 ];
 
+// A flag in `extraArgs` replaces its default (the server refuses a flag given twice). Global
+// options (--log-level) are accepted after the subcommand too.
 export async function startServer(extraArgs = [], { env = {}, waitReady = true } = {}) {
   const bin = moeloraBinary();
-  // Global options (--log-level) are accepted after the subcommand too.
-  const defaults = [...defaultServeArgs];
-  if (extraArgs.includes('--log-level')) defaults.splice(defaults.indexOf('--log-level'), 2);
+  const defaults = DEFAULT_SERVE_FLAGS.filter(([flag]) => !extraArgs.includes(flag)).flat();
   const args = ['serve', ...defaults, ...extraArgs];
   const proc = spawn(bin, args, { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, ...env } });
   let stdout = '';

@@ -93,7 +93,7 @@ void quantize_rows(const bf16* x, int64_t ldx, int M, int K, uint8_t* q, float* 
   p.q = q;
   p.ld_q = K;
   p.scales = scales;
-  p.scale_ld = (K + 127) / 128;
+  p.scale_ld = (K + kFp8Group - 1) / kFp8Group;
   launch_fp8_quant_per_token(p, stream);
 }
 

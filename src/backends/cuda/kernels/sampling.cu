@@ -538,7 +538,7 @@ cudaLaunchConfig_t cluster_config(int rows, cudaStream_t stream, cudaLaunchAttri
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  if (C > 8) {  // beyond the portable 8: opt in once (idempotent)
+  if (C > 8) {  // beyond the portable 8: opt in (the attribute is per device context, so with each launch)
     MOELORA_CUDA_CHECK(cudaFuncSetAttribute(sample_kernel<C>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   }
   return cfg;
