@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "backends/cpu/cpu_ops.h"
+#include "ops/weight_format.h"
 #include "backends/cuda/kernels/dense_gemm.cuh"
 #include "backends/cuda/kernels/fp8_quant.cuh"
 #include "gpukit/dense.h"
@@ -48,7 +49,7 @@ Weights make_weights(FastRng& r, bool fp8, int out, int in) {
     std::vector<float> s(static_cast<size_t>((out + 127) / 128) * ((in + 127) / 128));
     random_fp8(r, q, s, out, in);
     W.deq.resize(q.size());
-    cpu::dequantize_fp8_block(q.data(), out, in, s.data(), 128, 128, 0, W.deq.data());
+    dequantize_fp8_block(q.data(), out, in, s.data(), 128, 128, 0, W.deq.data());
     W.q.emplace_back(q);
     W.s.emplace_back(s);
     for (int c = 1; c < W.copies; ++c) {

@@ -15,6 +15,7 @@
 #include "core/tensor.h"
 #include "gpukit/device_array.h"
 #include "gpukit/random.h"
+#include "ops/weight_format.h"
 
 namespace moelora::gpukit {
 
@@ -85,20 +86,20 @@ struct Fp8Weight {
       for (int cb = 0; cb < col_blocks(); ++cb) {
         float amax = 0.0f;
         for (int r = 0; r < out; ++r) {
-          if (cpu::scale_row_block(r, 128, split) != rb) continue;
+          if (fp8_scale_row_block(r, 128, split) != rb) continue;
           for (int c = cb * 128; c < std::min(in, cb * 128 + 128); ++c) amax = std::max(amax, std::fabs(w[r * in + c]));
         }
         const float s = amax > 0.0f ? amax / kFp8E4M3Max : 1.0f;
         scale[rb * col_blocks() + cb] = s;
         for (int r = 0; r < out; ++r) {
-          if (cpu::scale_row_block(r, 128, split) != rb) continue;
+          if (fp8_scale_row_block(r, 128, split) != rb) continue;
           for (int c = cb * 128; c < std::min(in, cb * 128 + 128); ++c)
             q[static_cast<size_t>(r) * in + c] = f32_to_fp8e4m3(w[r * in + c] / s);
         }
       }
     }
     deq.resize(w.size());
-    cpu::dequantize_fp8_block(q.data(), out, in, scale.data(), 128, 128, split, deq.data());
+    dequantize_fp8_block(q.data(), out, in, scale.data(), 128, 128, split, deq.data());
   }
 };
 

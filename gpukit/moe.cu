@@ -48,9 +48,9 @@ void HostExperts::dequant(int e, float* gu, float* d) const {
   if (fp8) {
     const int hb = cdiv(H, 128), ib = cdiv(I, 128);
     // gate_up: split_rows = I within the expert, its own 2*ceil(I/128) scale rows.
-    cpu::dequantize_fp8_block(gu_q.data() + static_cast<size_t>(e) * 2 * I * H, 2 * I, H,
+    dequantize_fp8_block(gu_q.data() + static_cast<size_t>(e) * 2 * I * H, 2 * I, H,
                               gu_s.data() + static_cast<size_t>(e) * 2 * ib * hb, 128, 128, I, gu);
-    cpu::dequantize_fp8_block(d_q.data() + static_cast<size_t>(e) * H * I, H, I,
+    dequantize_fp8_block(d_q.data() + static_cast<size_t>(e) * H * I, H, I,
                               d_s.data() + static_cast<size_t>(e) * hb * ib, 128, 128, 0, d);
   } else {
     for (size_t i = 0; i < static_cast<size_t>(2) * I * H; ++i) gu[i] = bf16_to_f32(gu_b[static_cast<size_t>(e) * 2 * I * H + i]);

@@ -98,7 +98,8 @@ RandomAdapters make_adapters(const ModelConfig& c, Backend& b, int slots, int ra
 
 // Bytes a decode step must read at least (docs/floors.md, with our LoRA layout).
 double floor_bytes(const ModelConfig& c, const KvShape& kv, int B, int N, int rank, int context) {
-  const double wbytes = c.fp8 ? 1.0 + 4.0 / (128 * 128) : 2.0;
+  // What the device holds: FP8 stays FP8; NVFP4 is served as bf16 until its 4-bit kernels exist.
+  const double wbytes = c.weight_format.is_fp8() ? c.weight_format.bytes_per_weight() : 2.0;
   const double H = c.hidden_size, E = c.num_experts, k = c.top_k, I = c.moe_intermediate_size;
   auto distinct = [&](double tokens) { return E * (1.0 - std::pow(1.0 - k / E, tokens)); };
   double total = 2.0 * c.vocab_size * H;  // bf16 lm_head
@@ -171,7 +172,7 @@ int run(Args a) {
   const int page = 16, per_seq = (a.context + a.iters + 8 + std::max(a.prefill, 1)) / page + 2;
   auto kv = model->alloc_kv_cache(per_seq * max_b, page);
   std::printf("bench: %s (%s), %d layers, backend %s, %s, rank %d, context %d, floor at %.1f TB/s\n",
-              arch_name(c.arch), path.c_str(), c.num_layers, b.name().c_str(), c.fp8 ? "FP8" : "bf16", a.rank,
+              arch_name(c.arch), path.c_str(), c.num_layers, b.name().c_str(), c.weight_format.describe().c_str(), a.rank,
               a.context, a.hbm_tbps);
   // step_us: forward + seeded top-p sampling, synchronous (as the engine steps); logits_us: the
   // same without sampling; kernel_us: device time per step with steps queued back to back;

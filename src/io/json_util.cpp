@@ -1,5 +1,6 @@
 #include "io/json_util.h"
 
+#include <cmath>
 #include <set>
 
 namespace moelora {
@@ -54,8 +55,10 @@ Result<std::optional<int64_t>> json_opt_int(const Json& obj, std::string_view ke
   if (f == nullptr || f->is_null()) return std::optional<int64_t>();
   if (f->is_number_integer()) return std::optional<int64_t>(f->get<int64_t>());
   if (f->is_number_float()) {
-    double d = f->get<double>();
-    if (d == static_cast<double>(static_cast<int64_t>(d))) return std::optional<int64_t>(static_cast<int64_t>(d));
+    // 2.0 is an integer; 2.5, 1e300 and anything outside int64 are not (casting those is undefined).
+    const double d = f->get<double>();
+    if (d >= -9223372036854775808.0 && d < 9223372036854775808.0 && d == std::trunc(d))
+      return std::optional<int64_t>(static_cast<int64_t>(d));
   }
   return invalid_argument("{}: field \"{}\" must be an integer, got {}", what, key, f->dump());
 }

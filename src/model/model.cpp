@@ -88,9 +88,7 @@ ModelShapes model_shapes(const ModelConfig& cfg) {
     s.n_group = cfg.n_group;
     s.topk_group = cfg.topk_group;
   }
-  s.fp8 = cfg.fp8;
-  s.fp8_block_out = cfg.fp8_block_out;
-  s.fp8_block_in = cfg.fp8_block_in;
+  s.weight_format = cfg.weight_format;
   // Every dense LoRA target of every layer (the slot pool allocates tables for all of them).
   for (int l = 0; l < cfg.num_layers; ++l)
     for (int t = 0; t < kNumLoraTargets; ++t) {

@@ -53,7 +53,7 @@ class Model {
   // MlaMode::kAbsorbed on a backend without the absorbed op is refused.
   static Result<std::unique_ptr<Model>> load(const std::string& dir, Backend& backend, const ModelOptions& opts = {});
   // A model of `cfg`'s shapes with pseudo-random weights made on the backend (benchmarks):
-  // FP8 block-scaled linears when cfg.fp8 and the backend keeps FP8, else its float type.
+  // FP8 block-scaled linears when cfg declares FP8 and the backend keeps FP8, else its float type.
   // Refused like load() when the backend's kernels cannot take the shapes.
   static Result<std::unique_ptr<Model>> random(const ModelConfig& cfg, Backend& backend, uint64_t seed,
                                                const ModelOptions& opts = {});

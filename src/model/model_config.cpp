@@ -1,7 +1,9 @@
 #include "model/model_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <string_view>
 
 #include "io/mapped_file.h"
 
@@ -214,22 +216,31 @@ Result<ModelConfig> parse_model_config(const std::string& text, const std::strin
   if (c.rope.rot_dim % 2) return invalid_argument("{}: the rotary dimension must be even", what);
 
   if (auto q = j.find("quantization_config"); q != j.end() && !q->is_null()) {
+    if (!q->is_object()) return invalid_argument("{}: quantization_config must be an object", what);
     MOELORA_ASSIGN_OR_RETURN(auto method, json_opt_string(*q, "quant_method", what));
-    if (method.value_or("") != "fp8")
-      return unsupported("{}: quantization_config.quant_method \"{}\" is not supported (fp8 block "
-                         "scaling is)", what, method.value_or(""));
-    auto bs = q->find("weight_block_size");
-    if (bs != q->end() && !bs->is_null()) {
-      if (!bs->is_array() || bs->size() != 2 || !(*bs)[0].is_number_integer() || !(*bs)[1].is_number_integer() ||
-          (*bs)[0].get<int>() <= 0 || (*bs)[1].get<int>() <= 0)
-        return invalid_argument("{}: weight_block_size must be two positive integers", what);
-      c.fp8_block_out = (*bs)[0].get<int>();
-      c.fp8_block_in = (*bs)[1].get<int>();
+    if (method.value_or("") == "modelopt") {
+      MOELORA_RETURN_IF_ERROR(apply_modelopt_quantization(*q, what + ": quantization_config", c));
+    } else if (method.value_or("") == "compressed-tensors") {
+      MOELORA_RETURN_IF_ERROR(apply_compressed_tensors_quantization(*q, what + ": quantization_config", c));
+    } else if (method.value_or("") == "fp8") {
+      int bo = 128, bi = 128;
+      auto bs = q->find("weight_block_size");
+      if (bs != q->end() && !bs->is_null()) {
+        if (!bs->is_array() || bs->size() != 2 || !(*bs)[0].is_number_integer() || !(*bs)[1].is_number_integer() ||
+            (*bs)[0].get<int64_t>() <= 0 || (*bs)[1].get<int64_t>() <= 0 || (*bs)[0].get<int64_t>() > (1 << 20) ||
+            (*bs)[1].get<int64_t>() > (1 << 20))
+          return invalid_argument("{}: weight_block_size must be two positive integers", what);
+        bo = (*bs)[0].get<int>();
+        bi = (*bs)[1].get<int>();
+      }
+      MOELORA_ASSIGN_OR_RETURN(auto scheme, json_opt_string(*q, "activation_scheme", what));
+      if (scheme && *scheme != "dynamic")
+        return unsupported("{}: activation_scheme \"{}\" is not supported (dynamic is)", what, *scheme);
+      c.weight_format = WeightFormat::fp8_block(bo, bi);
+    } else {
+      return unsupported("{}: quantization_config.quant_method \"{}\" is not supported (fp8 block scaling and "
+                         "NVFP4 from modelopt or compressed-tensors are)", what, method.value_or(""));
     }
-    MOELORA_ASSIGN_OR_RETURN(auto scheme, json_opt_string(*q, "activation_scheme", what));
-    if (scheme && *scheme != "dynamic")
-      return unsupported("{}: activation_scheme \"{}\" is not supported (dynamic is)", what, *scheme);
-    c.fp8 = true;
   }
   Status s = read_ids(j, "eos_token_id", &c.eos_token_ids);
   if (!s.ok()) return s.with_context(what + ": ");
@@ -237,13 +248,133 @@ Result<ModelConfig> parse_model_config(const std::string& text, const std::strin
   return c;
 }
 
+namespace {
+
+// fnmatch-style '*' and '?' (ModelOpt's exclude patterns use '*': "model.layers.*.mlp.gate").
+bool glob_match(std::string_view pattern, std::string_view text) {
+  size_t p = 0, t = 0, star = std::string_view::npos, mark = 0;
+  while (t < text.size()) {
+    if (p < pattern.size() && (pattern[p] == '?' || pattern[p] == text[t])) {
+      ++p, ++t;
+    } else if (p < pattern.size() && pattern[p] == '*') {
+      star = p++, mark = t;
+    } else if (star != std::string_view::npos) {
+      p = star + 1, t = ++mark;
+    } else {
+      return false;
+    }
+  }
+  while (p < pattern.size() && pattern[p] == '*') ++p;
+  return p == pattern.size();
+}
+
+// ModelOpt's exclude_modules / ignore and compressed-tensors' ignore: lists of module names.
+Result<std::vector<std::string>> exclude_list(const Json& q, const std::string& what) {
+  std::vector<std::string> exclude;
+  for (const char* key : {"exclude_modules", "ignore"}) {
+    auto e = q.find(key);
+    if (e == q.end() || e->is_null()) continue;
+    if (!e->is_array()) return invalid_argument("{}: \"{}\" must be a list of module names", what, key);
+    for (const auto& m : *e) {
+      if (!m.is_string()) return invalid_argument("{}: \"{}\" must be a list of module names", what, key);
+      exclude.push_back(m.get<std::string>());
+    }
+  }
+  return exclude;
+}
+
+}  // namespace
+
+bool ModelConfig::quant_excluded(const std::string& module) const {
+  for (const std::string& pat : quant_exclude) {
+    // compressed-tensors' "re:" regexes are not evaluated: the check is a consistency check (the
+    // stored dtype decides), and a config's regex is not worth a matcher that can blow up.
+    if (pat.starts_with("re:")) continue;
+    if (glob_match(pat, module)) return true;
+    // A pattern naming a parent module excludes everything inside it.
+    for (size_t dot = module.find('.'); dot != std::string::npos; dot = module.find('.', dot + 1))
+      if (glob_match(pat, std::string_view(module).substr(0, dot))) return true;
+  }
+  return false;
+}
+
+Status apply_modelopt_quantization(const Json& q, const std::string& what, ModelConfig& c) {
+  if (!q.is_object()) return invalid_argument("{}: the ModelOpt quantisation description must be an object", what);
+  MOELORA_ASSIGN_OR_RETURN(auto algo, json_opt_string(q, "quant_algo", what));
+  if (!algo) return invalid_argument("{}: \"quant_algo\" is missing", what);
+  if (*algo != "NVFP4")
+    return unsupported("{}: ModelOpt quant_algo \"{}\" is not supported (NVFP4 is; FP8 checkpoints load with "
+                       "quant_method \"fp8\" block scales)", what, *algo);
+  // group_size at the top (hf_quant_config.json) or in config_groups.*.weights (newer config.json).
+  MOELORA_ASSIGN_OR_RETURN(auto group, json_opt_int(q, "group_size", what));
+  if (!group)
+    if (auto cg = q.find("config_groups"); cg != q.end() && cg->is_object())
+      for (const auto& [name, g] : cg->items())
+        if (g.is_object())
+          if (auto w = g.find("weights"); w != g.end() && w->is_object()) {
+            MOELORA_ASSIGN_OR_RETURN(auto gs, json_opt_int(*w, "group_size", what + ".config_groups." + name));
+            if (gs) group = gs;
+          }
+  if (group.value_or(16) != 16)
+    return unsupported("{}: NVFP4 group_size {} is not supported (NVFP4 groups are 16 values)", what, *group);
+  MOELORA_ASSIGN_OR_RETURN(c.quant_exclude, exclude_list(q, what));
+  c.weight_format = WeightFormat::nvfp4(16);
+  return {};
+}
+
+Status apply_compressed_tensors_quantization(const Json& q, const std::string& what, ModelConfig& c) {
+  // llm-compressor's NVFP4: every config group "nvfp4-pack-quantized" with 4-bit float weights in
+  // groups of 16. Other compressed-tensors schemes (int4/int8, FP8 per channel, ...) are refused.
+  MOELORA_ASSIGN_OR_RETURN(auto format, json_opt_string(q, "format", what));
+  auto cg = q.find("config_groups");
+  if (cg == q.end() || !cg->is_object() || cg->empty())
+    return invalid_argument("{}: compressed-tensors needs \"config_groups\"", what);
+  for (const auto& [name, g] : cg->items()) {
+    const std::string gwhat = what + ".config_groups." + name;
+    if (!g.is_object()) return invalid_argument("{} must be an object", gwhat);
+    MOELORA_ASSIGN_OR_RETURN(auto gformat, json_opt_string(g, "format", gwhat));
+    const std::string f = gformat.value_or(format.value_or(""));
+    if (f != "nvfp4-pack-quantized")
+      return unsupported("{}: compressed-tensors format \"{}\" is not supported (nvfp4-pack-quantized is)", gwhat, f);
+    auto w = g.find("weights");
+    if (w == g.end() || !w->is_object()) return invalid_argument("{}: \"weights\" is missing", gwhat);
+    MOELORA_ASSIGN_OR_RETURN(auto bits, json_opt_int(*w, "num_bits", gwhat + ".weights"));
+    MOELORA_ASSIGN_OR_RETURN(auto type, json_opt_string(*w, "type", gwhat + ".weights"));
+    MOELORA_ASSIGN_OR_RETURN(auto group, json_opt_int(*w, "group_size", gwhat + ".weights"));
+    if (bits.value_or(0) != 4 || type.value_or("") != "float" || group.value_or(0) != 16)
+      return unsupported("{}: weights of {} bits, type \"{}\", group size {} are not NVFP4 (4-bit float, groups of "
+                         "16)", gwhat, bits.value_or(0), type.value_or(""), group.value_or(0));
+  }
+  MOELORA_ASSIGN_OR_RETURN(c.quant_exclude, exclude_list(q, what));
+  c.weight_format = WeightFormat::nvfp4(16);
+  return {};
+}
+
 Result<ModelConfig> load_model_config(const std::string& dir) {
   namespace fs = std::filesystem;
   const std::string path = (fs::path(dir) / "config.json").string();
   MOELORA_ASSIGN_OR_RETURN(std::string text, read_text_file(path, 16u << 20));
   MOELORA_ASSIGN_OR_RETURN(ModelConfig c, parse_model_config(text, path));
-  const std::string gen = (fs::path(dir) / "generation_config.json").string();
   std::error_code ec;
+  // ModelOpt exports describe their quantisation in hf_quant_config.json; config.json may repeat it.
+  const std::string hq = (fs::path(dir) / "hf_quant_config.json").string();
+  if (fs::exists(hq, ec)) {
+    MOELORA_ASSIGN_OR_RETURN(std::string qtext, read_text_file(hq, 1u << 20));
+    MOELORA_ASSIGN_OR_RETURN(Json qj, parse_json_strict(qtext, hq));
+    auto quant = qj.is_object() ? qj.find("quantization") : qj.end();
+    if (!qj.is_object() || quant == qj.end())
+      return invalid_argument("{}: expected an object with a \"quantization\" object", hq);
+    ModelConfig from_file = c;
+    MOELORA_RETURN_IF_ERROR(apply_modelopt_quantization(*quant, hq, from_file));
+    if (!c.weight_format.is_dense() && !(c.weight_format == from_file.weight_format))
+      return invalid_argument("{}: declares {} but config.json's quantization_config declares {}", hq,
+                              from_file.weight_format.describe(), c.weight_format.describe());
+    c.weight_format = from_file.weight_format;
+    for (std::string& m : from_file.quant_exclude)
+      if (std::find(c.quant_exclude.begin(), c.quant_exclude.end(), m) == c.quant_exclude.end())
+        c.quant_exclude.push_back(std::move(m));
+  }
+  const std::string gen = (fs::path(dir) / "generation_config.json").string();
   if (fs::exists(gen, ec)) {
     MOELORA_ASSIGN_OR_RETURN(std::string gtext, read_text_file(gen, 1u << 20));
     MOELORA_ASSIGN_OR_RETURN(Json g, parse_json_strict(gtext, gen));

@@ -9,6 +9,7 @@
 
 #include "core/status.h"
 #include "io/json_util.h"
+#include "ops/weight_format.h"
 
 namespace moelora {
 
@@ -72,11 +73,15 @@ struct ModelConfig {
   int qk_rope_head_dim = 0;
   int v_head_dim = 0;
 
-  // FP8 block quantisation declared by quantization_config (which tensors are FP8 is decided by the
-  // files, not by this flag).
-  bool fp8 = false;
-  int fp8_block_out = 128;
-  int fp8_block_in = 128;
+  // Quantisation declared by quantization_config (or ModelOpt's hf_quant_config.json): FP8 block
+  // scales or NVFP4. Which tensors are quantised is decided by the files (their dtype), as in the
+  // exports; `quant_exclude` (ModelOpt's exclude_modules / ignore, glob patterns) is checked against
+  // them. Dense when nothing is declared.
+  WeightFormat weight_format;
+  std::vector<std::string> quant_exclude;
+  // True when `module` ("model.layers.0.self_attn.q_proj") matches an exclude pattern, exactly, as
+  // a glob, or as one of its parents ("re:" regex patterns are skipped).
+  bool quant_excluded(const std::string& module) const;
 
   std::vector<int> eos_token_ids;
   std::optional<int> bos_token_id;
@@ -92,7 +97,13 @@ struct ModelConfig {
 
 // Parses config.json text. `what` names the file in messages.
 Result<ModelConfig> parse_model_config(const std::string& text, const std::string& what);
-// Reads <dir>/config.json (and eos ids from generation_config.json when present).
+// Applies a ModelOpt quantisation description (hf_quant_config.json's "quantization" object, or a
+// config.json quantization_config with quant_method "modelopt") to `c`.
+Status apply_modelopt_quantization(const Json& q, const std::string& what, ModelConfig& c);
+// Applies a compressed-tensors quantization_config (llm-compressor's nvfp4-pack-quantized) to `c`.
+Status apply_compressed_tensors_quantization(const Json& q, const std::string& what, ModelConfig& c);
+// Reads <dir>/config.json (and eos ids from generation_config.json, ModelOpt's hf_quant_config.json
+// when present).
 Result<ModelConfig> load_model_config(const std::string& dir);
 
 }  // namespace moelora

@@ -9,11 +9,13 @@ Result<std::unique_ptr<Model>> Model::random(const ModelConfig& cfg, Backend& b,
   MOELORA_RETURN_IF_ERROR(b.check_model_shapes(model_shapes(cfg)));
   std::unique_ptr<Model> m(new Model(cfg, "(random weights)", b));
   MOELORA_RETURN_IF_ERROR(m->choose_mla_form(opts));
-  const bool fp8 = cfg.fp8 && b.device() != Device::kCpu;
+  // FP8 configs get random FP8 codes with block scales on devices that keep FP8; everything else
+  // (NVFP4 included, which the CUDA backend serves as bf16 today) gets dense weights.
+  const bool fp8 = cfg.weight_format.is_fp8() && b.device() != Device::kCpu;
   const DType act = b.act_dtype();
   const DType dense = b.device() == Device::kCpu ? DType::kF32 : DType::kBF16;
   uint64_t s = seed;
-  const int bo = cfg.fp8_block_out, bi = cfg.fp8_block_in;
+  const int bo = fp8 ? cfg.weight_format.block_out : 128, bi = fp8 ? cfg.weight_format.block_in : 128;
   auto blocks = [](int64_t n, int b) { return (n + b - 1) / b; };
   auto linear = [&](int64_t out, int64_t in, int64_t row_blocks = -1, int split = 0) {
     LinearWeight w;

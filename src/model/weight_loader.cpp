@@ -1,5 +1,7 @@
 #include "model/weight_loader.h"
 
+#include <cmath>
+
 #include <fmt/format.h>
 
 #include "model/archs.h"
@@ -24,33 +26,85 @@ struct Loader {
     return t;
   }
 
-  // A linear's weight and, when the file stores it as FP8, its block scales.
-  struct Raw {
-    Tensor w, scale;
-  };
-  Result<Raw> raw_linear(const std::string& prefix, int out, int in) {
-    Raw r;
-    MOELORA_ASSIGN_OR_RETURN(r.w, get(prefix + ".weight", {out, in}));
+  // A linear's weight as the file stores it: dense, FP8 with block scales, or NVFP4 (packed U8 with
+  // group scales and a global scale). The stored dtype decides, as in the exports; the config must
+  // declare the NVFP4 format and may name modules it keeps unquantised.
+  Result<StoredWeight> stored_linear(const std::string& prefix, int out, int in) {
+    const std::string wname = prefix + ".weight";
+    const SafetensorsEntry* e = ck.entry(wname);
+    if (e && e->dtype == DType::kU8) return nvfp4_linear(prefix, out, in, Nvfp4Naming::kModelOpt);
+    if (ck.contains(prefix + ".weight_packed")) {
+      if (e) return invalid_argument("checkpoint {}: both '{}' and '{}.weight_packed' exist", ck.dir(), wname, prefix);
+      return nvfp4_linear(prefix, out, in, Nvfp4Naming::kCompressedTensors);
+    }
+    StoredWeight r;
+    r.out = out;
+    r.in = in;
+    MOELORA_ASSIGN_OR_RETURN(r.data, get(wname, {out, in}));
     const std::string sname = prefix + ".weight_scale_inv";
-    if (r.w.dtype() == DType::kF8E4M3) {
+    if (r.data.dtype() == DType::kF8E4M3) {
       if (!ck.contains(sname))
         return invalid_argument("checkpoint {}: FP8 tensor '{}.weight' has no '{}'", ck.dir(), prefix, sname);
-      const int64_t rb = (out + cfg.fp8_block_out - 1) / cfg.fp8_block_out;
-      const int64_t cb = (in + cfg.fp8_block_in - 1) / cfg.fp8_block_in;
-      MOELORA_ASSIGN_OR_RETURN(r.scale, get(sname, {rb, cb}));
+      const WeightFormat& declared = cfg.weight_format;
+      r.format = declared.is_fp8() ? declared : WeightFormat::fp8_block(128, 128);
+      const auto sshape = r.format.scale_shape(out, in);
+      MOELORA_ASSIGN_OR_RETURN(r.scale, get(sname, sshape));
       if (r.scale.dtype() != DType::kF32 && r.scale.dtype() != DType::kBF16)
         return invalid_argument("checkpoint {}: '{}' must be F32 or BF16, not {}", ck.dir(), sname,
                                 dtype_name(r.scale.dtype()));
-    } else if (ck.contains(sname)) {
-      return invalid_argument("checkpoint {}: '{}' exists but '{}.weight' is {}, not F8_E4M3", ck.dir(), sname,
-                              prefix, dtype_name(r.w.dtype()));
+    } else {
+      for (const std::string& stray :
+           {sname, prefix + ".weight_scale", prefix + ".weight_scale_2", prefix + ".weight_global_scale"})
+        if (ck.contains(stray))
+          return invalid_argument("checkpoint {}: '{}' exists but '{}.weight' is {}, not a quantised weight",
+                                  ck.dir(), stray, prefix, dtype_name(r.data.dtype()));
     }
     return r;
   }
 
+  // ModelOpt: <m>.weight, <m>.weight_scale, <m>.weight_scale_2 (W = q * scale * weight_scale_2).
+  // compressed-tensors: <m>.weight_packed, <m>.weight_scale, <m>.weight_global_scale, the reciprocal
+  // (W = q * scale / weight_global_scale; taken as q * scale * (1 / g), within 1 f32 ulp of it).
+  enum class Nvfp4Naming { kModelOpt, kCompressedTensors };
+  Result<StoredWeight> nvfp4_linear(const std::string& prefix, int out, int in, Nvfp4Naming naming) {
+    const bool ct = naming == Nvfp4Naming::kCompressedTensors;
+    const std::string wname = prefix + (ct ? ".weight_packed" : ".weight");
+    if (!cfg.weight_format.is_nvfp4())
+      return invalid_argument("checkpoint {}: '{}' is U8 (packed 4-bit) but the config declares no NVFP4 "
+                              "quantisation (quantization_config quant_method \"modelopt\" or \"compressed-tensors\", or "
+                              "hf_quant_config.json)",
+                              ck.dir(), wname);
+    if (cfg.quant_excluded(prefix))
+      return invalid_argument("checkpoint {}: '{}' is stored as NVFP4 but the quantisation config excludes '{}'",
+                              ck.dir(), wname, prefix);
+    StoredWeight r;
+    r.format = cfg.weight_format;
+    r.out = out;
+    r.in = in;
+    MOELORA_ASSIGN_OR_RETURN(r.data, ck.tensor(wname));
+    const std::string sname = prefix + ".weight_scale";
+    const std::string gname = prefix + (ct ? ".weight_global_scale" : ".weight_scale_2");
+    for (const std::string& n : {sname, gname})
+      if (!ck.contains(n))
+        return invalid_argument("checkpoint {}: NVFP4 tensor '{}' has no '{}'", ck.dir(), wname, n);
+    MOELORA_ASSIGN_OR_RETURN(r.scale, ck.tensor(sname));
+    MOELORA_ASSIGN_OR_RETURN(Tensor global, ck.tensor(gname));
+    if (global.numel() != 1 || (global.dtype() != DType::kF32 && global.dtype() != DType::kBF16))
+      return invalid_argument("checkpoint {}: '{}' must be one F32 value (the per-tensor scale), got {} {}", ck.dir(),
+                              gname, dtype_name(global.dtype()), global.shape_string());
+    const float g = read_as_f32(global, 0);
+    r.global_scale = ct ? 1.0f / g : g;
+    if (ct && !(std::isfinite(g) && g > 0.0f))
+      return invalid_argument("checkpoint {}: '{}' is {}, must be finite and > 0", ck.dir(), gname, g);
+    // input_scale (the static activation scale of Blackwell's FP4 x FP4 GEMMs) is not used: on this
+    // engine activations stay in the compute dtype (weight-only 4-bit, docs/numerics.md).
+    MOELORA_RETURN_IF_ERROR(validate_stored_weight(r, fmt::format("checkpoint {}: '{}'", ck.dir(), wname)));
+    return r;
+  }
+
   Result<LinearWeight> linear(const std::string& prefix, int out, int in) {
-    MOELORA_ASSIGN_OR_RETURN(Raw r, raw_linear(prefix, out, in));
-    return backend.upload_linear(r.w, r.scale, cfg.fp8_block_out, cfg.fp8_block_in);
+    MOELORA_ASSIGN_OR_RETURN(StoredWeight r, stored_linear(prefix, out, in));
+    return backend.upload_linear(r);
   }
 
   // Norm weights in the activation dtype (what the norm kernels read); biases in f32.
@@ -113,7 +167,7 @@ struct Loader {
                               l, layer_prefix, nm.moe_blocks.front());
     const int H = c.hidden_size, I = c.moe_intermediate_size, E = c.num_experts;
     MOELORA_ASSIGN_OR_RETURN(Tensor router, get(block + ".gate.weight", {E, H}));
-    lw.router = backend.upload_linear(router, Tensor(), c.fp8_block_out, c.fp8_block_in);
+    lw.router = backend.upload_linear(dense_weight(router));
     if (c.router == RouterKind::kSigmoidGroupTopK) {
       const std::string bias = block + ".gate.e_score_correction_bias";
       if (ck.contains(bias)) {
@@ -122,26 +176,19 @@ struct Loader {
         lw.router_bias = backend.upload(Tensor::empty_host(DType::kF32, {E}), DType::kF32);
       }
     }
-    std::vector<Tensor> g(E), gs, u(E), us, d(E), ds;
+    std::vector<StoredWeight> g(E), u(E), d(E);
     for (int e = 0; e < E; ++e) {
       const std::string ep = fmt::format("{}.experts.{}.", block, e);
-      MOELORA_ASSIGN_OR_RETURN(Raw rg, raw_linear(ep + nm.expert_proj[0], I, H));
-      MOELORA_ASSIGN_OR_RETURN(Raw ru, raw_linear(ep + nm.expert_proj[1], I, H));
-      MOELORA_ASSIGN_OR_RETURN(Raw rd, raw_linear(ep + nm.expert_proj[2], H, I));
-      g[e] = rg.w;
-      u[e] = ru.w;
-      d[e] = rd.w;
-      const bool fp8 = rg.scale.defined();
-      const bool first_fp8 = e == 0 ? fp8 : !gs.empty();
-      if (fp8 != first_fp8 || fp8 != ru.scale.defined() || fp8 != rd.scale.defined())
-        return invalid_argument("checkpoint {}: layer {} mixes FP8 and non-FP8 experts", ck.dir(), l);
-      if (rg.scale.defined()) {
-        gs.push_back(rg.scale);
-        us.push_back(ru.scale);
-        ds.push_back(rd.scale);
-      }
+      MOELORA_ASSIGN_OR_RETURN(g[e], stored_linear(ep + nm.expert_proj[0], I, H));
+      MOELORA_ASSIGN_OR_RETURN(u[e], stored_linear(ep + nm.expert_proj[1], I, H));
+      MOELORA_ASSIGN_OR_RETURN(d[e], stored_linear(ep + nm.expert_proj[2], H, I));
+      // The expert kernels take one format per layer (one weight pointer table, one scale layout).
+      for (const StoredWeight* x : {&g[e], &u[e], &d[e]})
+        if (!(x->format == g[0].format))
+          return invalid_argument("checkpoint {}: layer {} mixes weight formats in its experts ({} and {})", ck.dir(),
+                                  l, g[0].format.describe(), x->format.describe());
     }
-    lw.experts = backend.upload_experts(g, gs, u, us, d, ds, c.fp8_block_out, c.fp8_block_in);
+    lw.experts = backend.upload_experts(g, u, d);
     if (c.n_shared_experts > 0) {
       lw.has_shared = true;
       MOELORA_ASSIGN_OR_RETURN(lw.shared, mlp(block + ".shared_experts", I * c.n_shared_experts));
@@ -162,7 +209,7 @@ Result<ModelWeights> load_model_weights(const Checkpoint& ck, const ModelConfig&
   if (ck.contains("lm_head.weight")) {
     MOELORA_ASSIGN_OR_RETURN(w.lm_head, L.linear("lm_head", V, H));
   } else if (cfg.tie_word_embeddings) {
-    w.lm_head = backend.upload_linear(embed, Tensor(), cfg.fp8_block_out, cfg.fp8_block_in);
+    w.lm_head = backend.upload_linear(dense_weight(embed));
   } else {
     return invalid_argument("checkpoint {}: no lm_head.weight and tie_word_embeddings is false", ck.dir());
   }

@@ -13,6 +13,7 @@
 #include "ops/model_shapes.h"
 #include "ops/sampling.h"
 #include "ops/types.h"
+#include "ops/weight_format.h"
 
 namespace moelora {
 
@@ -38,14 +39,12 @@ class Backend {
   // ---- Persistent memory (weights, adapters, KV pages): lives until the returned tensor dies.
   // Copies a host tensor to the backend, converting float dtypes to `dtype`.
   virtual Tensor upload(const Tensor& host, DType dtype) = 0;
-  // A linear weight from checkpoint tensors (w [out, in] in bf16/f16/f32/f8; scale_inv for f8).
-  virtual LinearWeight upload_linear(const Tensor& w, const Tensor& scale_inv, int block_out,
-                                     int block_in) = 0;
-  // Routed experts from per-expert checkpoint tensors (gate[e], up[e]: [I, H]; down[e]: [H, I]).
-  virtual ExpertWeights upload_experts(const std::vector<Tensor>& gate, const std::vector<Tensor>& gate_scale,
-                                       const std::vector<Tensor>& up, const std::vector<Tensor>& up_scale,
-                                       const std::vector<Tensor>& down, const std::vector<Tensor>& down_scale,
-                                       int block_out, int block_in) = 0;
+  // A linear weight as the checkpoint stores it (any WeightFormat; validated by the loader).
+  virtual LinearWeight upload_linear(const StoredWeight& w) = 0;
+  // Routed experts from per-expert checkpoint weights (gate[e], up[e]: [I, H]; down[e]: [H, I]),
+  // all of one format.
+  virtual ExpertWeights upload_experts(const std::vector<StoredWeight>& gate, const std::vector<StoredWeight>& up,
+                                       const std::vector<StoredWeight>& down) = 0;
   // A new persistent tensor of deterministic pseudo-random values (benchmarks with random
   // weights): floats uniform in [-scale, scale]; F8_E4M3 any finite code (scale ignored).
   virtual Tensor random_tensor(DType dtype, const std::vector<int64_t>& shape, uint64_t seed, float scale) = 0;

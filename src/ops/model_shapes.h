@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "ops/weight_format.h"
+
 namespace moelora {
 
 struct ModelShapes {
@@ -31,10 +33,8 @@ struct ModelShapes {
   bool grouped_router = false;  // DeepSeek-V3: sigmoid, group-limited top-k
   int n_group = 1;
   int topk_group = 1;
-  // FP8 block quantisation declared by the checkpoint (weight_block_size = [out, in]).
-  bool fp8 = false;
-  int fp8_block_out = 128;
-  int fp8_block_in = 128;
+  // How the checkpoint declares its quantised weights (dense: none).
+  WeightFormat weight_format;
   // Every dense projection an adapter may target (each name once per distinct width) and its
   // input width: the K of the LoRA shrink.
   struct LoraInput {

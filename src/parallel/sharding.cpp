@@ -170,9 +170,9 @@ Status validate_plan(const ModelConfig& cfg, int tp, int ep, bool fp8_block_alig
   if (ep > 1 && !moe) return invalid_argument("--ep {}: this model has no routed experts to spread", ep);
   if (moe && ep > cfg.num_experts)
     return invalid_argument("--ep {} is more ranks than the model's {} routed experts", ep, cfg.num_experts);
-  if (fp8_block_aligned && cfg.fp8 && tp > 1) {
+  if (fp8_block_aligned && cfg.weight_format.is_fp8() && tp > 1) {
     // Every cut dimension of a weight that stays FP8 must hold whole quantisation blocks.
-    const int bo = cfg.fp8_block_out, bi = cfg.fp8_block_in, hq = cfg.num_heads / tp;
+    const int bo = cfg.weight_format.block_out, bi = cfg.weight_format.block_in, hq = cfg.num_heads / tp;
     struct Cut { const char* what; int size; int block; bool applies; };
     const Cut cuts[] = {
         {"query rows per rank", hq * q_head_width(cfg), bo, true},

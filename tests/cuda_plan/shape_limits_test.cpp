@@ -109,7 +109,7 @@ TEST(ShapeLimits, ShapesComeFromTheConfigAsTheForwardPassUsesThem) {
   EXPECT_EQ(q.num_experts, 128);
   EXPECT_EQ(q.top_k, 8);
   EXPECT_EQ(q.moe_intermediate, 768);
-  EXPECT_TRUE(q.fp8);
+  EXPECT_EQ(q.weight_format, WeightFormat::fp8_block(128, 128));
   EXPECT_EQ(q.lora_slots, 0);  // the engine adds its capacity
 }
 
@@ -233,19 +233,18 @@ TEST(ShapeLimits, AdapterSlotsTimesExpertsBeyondTheMoeAlignmentAreRefused) {
 
 TEST(ShapeLimits, Fp8BlocksOtherThan128By128AreRefused) {
   ModelShapes s = qwen3_30b();
-  s.fp8_block_out = 64;  // the expert GEMMs index scales by 128-row blocks
+  s.weight_format = WeightFormat::fp8_block(64, 128);  // the expert GEMMs index scales by 128-row blocks
   expect_one(s, {"FP8", "weight_block_size [64, 128]", "[128, 128]"});
-  s.fp8_block_out = 128;
-  s.fp8_block_in = 64;  // the dense kernels need 128-wide column blocks as well
+  s.weight_format = WeightFormat::fp8_block(128, 64);  // the dense kernels need 128-wide column blocks as well
   expect_one(s, {"FP8", "weight_block_size [128, 64]"});
   // Without experts only the column block matters; without FP8 nothing does.
   s.num_experts = 0;
   expect_one(s, {"FP8", "[any, 128]"});
-  s.fp8_block_out = 64;
-  s.fp8_block_in = 128;
+  s.weight_format = WeightFormat::fp8_block(64, 128);
   expect_ok(s);
-  s.fp8 = false;
-  s.fp8_block_in = 64;
+  s.weight_format = WeightFormat::dense();
+  expect_ok(s);
+  s.weight_format = WeightFormat::nvfp4();  // served as bf16 on the GPU for now: no block constraint
   expect_ok(s);
 }
 

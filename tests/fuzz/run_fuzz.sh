@@ -7,7 +7,7 @@ mkdir -p "$work"
 CXX=${FUZZ_CXX:-clang++}
 flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -I"$src/src")
 common=("$src/src/core/status.cpp" "$src/src/core/dtype.cpp" "$src/src/core/tensor.cpp" "$src/src/io/mapped_file.cpp"
-        "$src/src/io/json_util.cpp")
+        "$src/src/io/json_util.cpp" "$src/src/ops/weight_format.cpp")
 "$CXX" "${flags[@]}" "$src/tests/fuzz/fuzz_safetensors.cpp" "${common[@]}" "$src/src/io/safetensors.cpp" \
   -lfmt -o "$work/fuzz_safetensors"
 "$CXX" "${flags[@]}" "$src/tests/fuzz/fuzz_json_configs.cpp" "${common[@]}" "$src/src/model/model_config.cpp" \

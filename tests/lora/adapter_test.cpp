@@ -25,20 +25,6 @@ ModelConfig qwen_config() {
   return *c;
 }
 
-// Reads an adapter's tensors back as raw StTensors so a test can edit and rewrite them.
-std::map<std::string, StTensor> read_tensors(const std::string& file) {
-  auto f = SafetensorsFile::open(file);
-  EXPECT_TRUE(f.ok());
-  std::map<std::string, StTensor> out;
-  for (const auto& [name, e] : (*f)->entries()) {
-    Tensor t = *(*f)->tensor(name);
-    StTensor s{dtype_name(e.dtype), e.shape, std::vector<uint8_t>(t.nbytes())};
-    std::memcpy(s.bytes.data(), t.data(), t.nbytes());
-    out[name] = s;
-  }
-  return out;
-}
-
 // A writable copy of a fixture adapter, with optional edits to its config and tensors.
 std::string edited_adapter(const TempDir& tmp, const std::string& fixture,
                            const std::function<void(nlohmann::json&)>& edit_config,
@@ -51,7 +37,7 @@ std::string edited_adapter(const TempDir& tmp, const std::string& fixture,
     testutil::write_file(dir + "/adapter_config.json", j.dump(2));
   }
   if (edit_tensors) {
-    auto t = read_tensors(dir + "/adapter_model.safetensors");
+    auto t = testutil::read_safetensors(dir + "/adapter_model.safetensors");
     edit_tensors(t);
     testutil::write_file(dir + "/adapter_model.safetensors", testutil::make_safetensors(t));
   }

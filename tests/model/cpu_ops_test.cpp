@@ -11,6 +11,7 @@
 #include "backends/cpu/cpu_backend.h"
 #include "backends/cpu/cpu_ops.h"
 #include "core/dtype.h"
+#include "ops/weight_format.h"
 
 namespace moelora {
 namespace {
@@ -52,7 +53,7 @@ TEST(Fp8, BlockDequantisationWithPartialEdgeBlocksAndSplitRows) {
   std::vector<float> scale(4 * 2);
   for (auto& s : scale) s = std::uniform_real_distribution<float>(0.01f, 2.0f)(g);
   std::vector<float> out(rows * cols);
-  cpu::dequantize_fp8_block(q.data(), rows, cols, scale.data(), bo, bi, split, out.data());
+  dequantize_fp8_block(q.data(), rows, cols, scale.data(), bo, bi, split, out.data());
   for (int i = 0; i < rows; i += 7)
     for (int j = 0; j < cols; j += 3) {
       const int half = i < split ? 0 : 1, local = i - half * split;
@@ -89,7 +90,7 @@ TEST(Nvfp4, DequantisationFollowsModelOptLayoutAndRoundsOnce) {
   for (int i = 0; i < rows * cols / 16; ++i) scales[i] = scale_codes[i % 9];
   const float global = 1.0f / (6.0f * 448.0f);  // ModelOpt's weight_scale_2 = amax / (6 * 448) for amax 1
   std::vector<float> out(rows * cols);
-  cpu::dequantize_nvfp4(packed.data(), rows, cols, scales.data(), global, out.data());
+  dequantize_nvfp4(packed.data(), rows, cols, scales.data(), global, out.data());
   for (int i = 0; i < rows; ++i)
     for (int j = 0; j < cols; ++j) {
       const uint8_t byte = packed[i * cols / 2 + j / 2];
@@ -109,7 +110,7 @@ TEST(Nvfp4, DequantisationFollowsModelOptLayoutAndRoundsOnce) {
   // The low nibble is the even element: byte 0x21 -> (0.5, 1.0).
   const uint8_t two[8] = {0x21, 0, 0, 0, 0, 0, 0, 0}, one_scale = 0x38;
   float pair[16];
-  cpu::dequantize_nvfp4(two, 1, 16, &one_scale, 1.0f, pair);
+  dequantize_nvfp4(two, 1, 16, &one_scale, 1.0f, pair);
   EXPECT_EQ(pair[0], 0.5f);
   EXPECT_EQ(pair[1], 1.0f);
 }

@@ -73,14 +73,15 @@ TEST_P(MlaAbsorbedOp, MatchesFloat64DecompressedAttentionWithPerTokenKvbLora) {
     const std::vector<float> sv = rnd(static_cast<size_t>(rb) * cb, 0.01f);
     std::vector<float> scale(sv.size());
     for (size_t i = 0; i < sv.size(); ++i) scale[i] = std::fabs(sv[i]) + 1e-3f;
-    kv_b = backend.upload_linear(codes, host({rb, cb}, scale), bo, bi);
+    StoredWeight stored{WeightFormat::fp8_block(bo, bi), codes, host({rb, cb}, scale), 1.0f, H * F, R};
+    kv_b = backend.upload_linear(stored);
     for (int o = 0; o < H * F; ++o)
       for (int i = 0; i < R; ++i)
         w[static_cast<size_t>(o) * R + i] =
             fp8e4m3_to_f32(codes.ptr<uint8_t>()[static_cast<size_t>(o) * R + i]) * scale[(o / bo) * cb + i / bi];
   } else {
     w = rnd(w.size(), 0.5f);
-    kv_b = backend.upload_linear(host({H * F, R}, w), Tensor(), 128, 128);
+    kv_b = backend.upload_linear(dense_weight(host({H * F, R}, w)));
   }
 
   // Adapter slots: ranks 3, 0 (adapter without kv_b LoRA), 5, 1.
@@ -228,7 +229,7 @@ TEST(MlaAbsorbedOpLora, AdapterChangesTheOutputAndBaseTokensIgnoreTheTable) {
     for (float& x : v) x = std::uniform_real_distribution<float>(-1, 1)(g);
     return v;
   };
-  LinearWeight kv_b = backend.upload_linear(host({H * F, R}, rnd(H * F * R)), Tensor(), 128, 128);
+  LinearWeight kv_b = backend.upload_linear(dense_weight(host({H * F, R}, rnd(H * F * R))));
   Tensor a = host({r, R}, rnd(r * R)), bt = host({H * F, r}, rnd(H * F * r));
   LoraModuleTable with = backend.alloc_lora_table(1, R, H * F), without = backend.alloc_lora_table(1, R, H * F);
   backend.set_lora_slot(with, 0, a, bt, r);

@@ -63,7 +63,7 @@ TEST(ModelConfig, DeepSeekYarnAsRealCheckpointsWriteIt) {
     "quantization_config":{"activation_scheme":"dynamic","fmt":"e4m3","quant_method":"fp8","weight_block_size":[128,128]}})";
   auto c = parse_model_config(cfg, "ds");
   ASSERT_TRUE(c.ok()) << c.status().message();
-  EXPECT_TRUE(c->fp8);
+  EXPECT_EQ(c->weight_format, WeightFormat::fp8_block(128, 128));
   EXPECT_TRUE(c->rope.interleaved);
   EXPECT_EQ(c->layer_is_moe, (std::vector<bool>{false, true, true, true}));
   // softmax scale = (qk_head_dim)^-0.5 * mscale(40, 1)^2 with mscale = 0.1 ln 40 + 1.
@@ -84,19 +84,7 @@ TEST(WeightLoading, WrongShapeMissingTensorAndUnscaledFp8) {
   auto cfg = load_model_config(src);
   ASSERT_TRUE(cfg.ok());
   auto rewrite = [&](const std::function<void(std::map<std::string, testutil::StTensor>&)>& edit) {
-    testutil::TempDir* dir = new testutil::TempDir();  // kept alive by the returned path's owner below
-    testutil::copy_dir(src, dir->str());
-    auto f = SafetensorsFile::open(dir->sub("model.safetensors"));
-    std::map<std::string, testutil::StTensor> t;
-    for (const auto& [n, e] : (*f)->entries()) {
-      Tensor x = *(*f)->tensor(n);
-      testutil::StTensor s{dtype_name(e.dtype), e.shape, std::vector<uint8_t>(x.nbytes())};
-      std::memcpy(s.bytes.data(), x.data(), x.nbytes());
-      t[n] = s;
-    }
-    edit(t);
-    testutil::write_file(dir->sub("model.safetensors"), testutil::make_safetensors(t));
-    return std::unique_ptr<testutil::TempDir>(dir);
+    return testutil::edited_checkpoint(src, edit);
   };
   auto load_err = [&](const testutil::TempDir& d) {
     auto ck = Checkpoint::open(d.str());

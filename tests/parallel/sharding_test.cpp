@@ -24,7 +24,7 @@ ModelConfig qwen3_30b_a3b_fp8() {
   ModelConfig c = fixture_config("qwen3moe");
   c.hidden_size = 2048, c.num_heads = 32, c.num_kv_heads = 4, c.head_dim = 128;
   c.moe_intermediate_size = 768, c.intermediate_size = 6144, c.num_experts = 128, c.top_k = 8;
-  c.fp8 = true, c.fp8_block_out = c.fp8_block_in = 128;
+  c.weight_format = WeightFormat::fp8_block(128, 128);
   return c;
 }
 ModelConfig deepseek_v3() {
@@ -32,7 +32,7 @@ ModelConfig deepseek_v3() {
   c.hidden_size = 7168, c.num_heads = 128, c.q_lora_rank = 1536, c.kv_lora_rank = 512;
   c.qk_nope_head_dim = 128, c.qk_rope_head_dim = 64, c.v_head_dim = 128;
   c.intermediate_size = 18432, c.moe_intermediate_size = 2048, c.num_experts = 256, c.n_shared_experts = 1;
-  c.fp8 = true, c.fp8_block_out = c.fp8_block_in = 128;
+  c.weight_format = WeightFormat::fp8_block(128, 128);
   return c;
 }
 

@@ -17,13 +17,10 @@ class ForwardingCpuBackend : public Backend {
   Device device() const override { return cpu_.device(); }
   DType act_dtype() const override { return cpu_.act_dtype(); }
   Tensor upload(const Tensor& host, DType dtype) override { return cpu_.upload(host, dtype); }
-  LinearWeight upload_linear(const Tensor& w, const Tensor& s, int bo, int bi) override {
-    return cpu_.upload_linear(w, s, bo, bi);
-  }
-  ExpertWeights upload_experts(const std::vector<Tensor>& g, const std::vector<Tensor>& gs, const std::vector<Tensor>& u,
-                               const std::vector<Tensor>& us, const std::vector<Tensor>& d,
-                               const std::vector<Tensor>& ds, int bo, int bi) override {
-    return cpu_.upload_experts(g, gs, u, us, d, ds, bo, bi);
+  LinearWeight upload_linear(const StoredWeight& w) override { return cpu_.upload_linear(w); }
+  ExpertWeights upload_experts(const std::vector<StoredWeight>& g, const std::vector<StoredWeight>& u,
+                               const std::vector<StoredWeight>& d) override {
+    return cpu_.upload_experts(g, u, d);
   }
   Tensor random_tensor(DType dt, const std::vector<int64_t>& shape, uint64_t seed, float scale) override {
     return cpu_.random_tensor(dt, shape, seed, scale);

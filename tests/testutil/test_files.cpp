@@ -6,6 +6,8 @@
 #include <sstream>
 
 #include "core/dtype.h"
+#include "core/check.h"
+#include "io/safetensors.h"
 
 namespace moelora::testutil {
 
@@ -86,6 +88,33 @@ void copy_dir(const std::string& from, const std::string& to) {
 
 std::string fixture_path(const std::string& rel) {
   return (fs::path(MOELORA_SOURCE_DIR) / "tests" / "fixtures" / rel).string();
+}
+
+}  // namespace moelora::testutil
+
+namespace moelora::testutil {
+
+std::map<std::string, StTensor> read_safetensors(const std::string& path) {
+  auto f = SafetensorsFile::open(path);
+  MOELORA_CHECK_MSG(f.ok(), "{}", f.ok() ? "" : f.status().message());
+  std::map<std::string, StTensor> t;
+  for (const auto& [n, e] : (*f)->entries()) {
+    Tensor x = *(*f)->tensor(n);
+    StTensor s{dtype_name(e.dtype), e.shape, std::vector<uint8_t>(x.nbytes())};
+    std::memcpy(s.bytes.data(), x.data(), x.nbytes());
+    t[n] = s;
+  }
+  return t;
+}
+
+std::unique_ptr<TempDir> edited_checkpoint(const std::string& src,
+                                           const std::function<void(std::map<std::string, StTensor>&)>& edit) {
+  auto dir = std::make_unique<TempDir>();
+  copy_dir(src, dir->str());
+  auto t = read_safetensors(dir->sub("model.safetensors"));
+  edit(t);
+  write_file(dir->sub("model.safetensors"), make_safetensors(t));
+  return dir;
 }
 
 }  // namespace moelora::testutil

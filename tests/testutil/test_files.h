@@ -3,6 +3,8 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
+#include <memory>
 #include <map>
 #include <string>
 #include <vector>
@@ -44,6 +46,13 @@ void write_file(const std::string& path, const std::string& content);
 std::string read_file(const std::string& path);
 // Recursively copies a folder (files made writable).
 void copy_dir(const std::string& from, const std::string& to);
+
+// Every tensor of a safetensors file, as editable bytes.
+std::map<std::string, StTensor> read_safetensors(const std::string& path);
+// A copy of the checkpoint folder `src` whose model.safetensors went through `edit` (tests that
+// corrupt or convert a checkpoint). The folder lives as long as the returned object.
+std::unique_ptr<TempDir> edited_checkpoint(const std::string& src,
+                                           const std::function<void(std::map<std::string, StTensor>&)>& edit);
 
 // Path of a fixture folder inside the repository (tests/fixtures/...).
 std::string fixture_path(const std::string& rel);

@@ -8,17 +8,6 @@
 
 namespace moelora {
 
-Tensor weight_to_f32(const Tensor& w, const Tensor& scale_inv, int block_out, int block_in, int split_rows) {
-  MOELORA_CHECK(w.ndim() == 2);
-  if (w.dtype() != DType::kF8E4M3) return to_f32(w);
-  MOELORA_CHECK_MSG(scale_inv.defined(), "FP8 weight without scale_inv");
-  Tensor scale = to_f32(scale_inv);
-  Tensor out = Tensor::empty_host(DType::kF32, w.shape());
-  cpu::dequantize_fp8_block(w.ptr<uint8_t>(), static_cast<int>(w.dim(0)), static_cast<int>(w.dim(1)),
-                            scale.ptr<float>(), block_out, block_in, split_rows, out.ptr<float>());
-  return out;
-}
-
 Tensor CpuBackend::upload(const Tensor& host, DType dtype) {
   MOELORA_CHECK_MSG(dtype == DType::kF32 || !is_float_dtype(host.dtype()), "CPU backend keeps floats as f32");
   if (is_float_dtype(host.dtype())) {
@@ -32,32 +21,28 @@ Tensor CpuBackend::upload(const Tensor& host, DType dtype) {
   return out;
 }
 
-LinearWeight CpuBackend::upload_linear(const Tensor& w, const Tensor& scale_inv, int block_out, int block_in) {
+LinearWeight CpuBackend::upload_linear(const StoredWeight& w) {
+  // The reference computes in f32 on dequantised weights, whatever the checkpoint's format.
   LinearWeight lw;
-  lw.w = weight_to_f32(w, scale_inv, block_out, block_in);
-  lw.out = static_cast<int>(w.dim(0));
-  lw.in = static_cast<int>(w.dim(1));
-  lw.block_out = block_out;
-  lw.block_in = block_in;
+  lw.w = dequantize_to_f32(w);
+  lw.out = w.out;
+  lw.in = w.in;
   return lw;
 }
 
-ExpertWeights CpuBackend::upload_experts(const std::vector<Tensor>& gate, const std::vector<Tensor>& gate_scale,
-                                         const std::vector<Tensor>& up, const std::vector<Tensor>& up_scale,
-                                         const std::vector<Tensor>& down, const std::vector<Tensor>& down_scale,
-                                         int block_out, int block_in) {
+ExpertWeights CpuBackend::upload_experts(const std::vector<StoredWeight>& gate, const std::vector<StoredWeight>& up,
+                                         const std::vector<StoredWeight>& down) {
   ExpertWeights ew;
   ew.num_experts = static_cast<int>(gate.size());
-  ew.intermediate = static_cast<int>(gate[0].dim(0));
-  ew.hidden = static_cast<int>(gate[0].dim(1));
+  ew.intermediate = gate[0].out;
+  ew.hidden = gate[0].in;
   const int E = ew.num_experts, H = ew.hidden, I = ew.intermediate;
   Tensor gu = Tensor::empty_host(DType::kF32, {static_cast<int64_t>(E) * 2 * I, H});
   Tensor dn = Tensor::empty_host(DType::kF32, {static_cast<int64_t>(E) * H, I});
-  auto scale_of = [](const std::vector<Tensor>& s, int e) { return s.empty() ? Tensor() : s[e]; };
   for (int e = 0; e < E; ++e) {
-    Tensor g = weight_to_f32(gate[e], scale_of(gate_scale, e), block_out, block_in);
-    Tensor u = weight_to_f32(up[e], scale_of(up_scale, e), block_out, block_in);
-    Tensor d = weight_to_f32(down[e], scale_of(down_scale, e), block_out, block_in);
+    Tensor g = dequantize_to_f32(gate[e]);
+    Tensor u = dequantize_to_f32(up[e]);
+    Tensor d = dequantize_to_f32(down[e]);
     float* dst = gu.ptr<float>() + static_cast<int64_t>(e) * 2 * I * H;
     std::memcpy(dst, g.data(), g.nbytes());
     std::memcpy(dst + static_cast<int64_t>(I) * H, u.data(), u.nbytes());

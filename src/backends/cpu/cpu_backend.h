@@ -20,11 +20,9 @@ class CpuBackend final : public Backend {
   DType act_dtype() const override { return DType::kF32; }
 
   Tensor upload(const Tensor& host, DType dtype) override;
-  LinearWeight upload_linear(const Tensor& w, const Tensor& scale_inv, int block_out, int block_in) override;
-  ExpertWeights upload_experts(const std::vector<Tensor>& gate, const std::vector<Tensor>& gate_scale,
-                               const std::vector<Tensor>& up, const std::vector<Tensor>& up_scale,
-                               const std::vector<Tensor>& down, const std::vector<Tensor>& down_scale,
-                               int block_out, int block_in) override;
+  LinearWeight upload_linear(const StoredWeight& w) override;
+  ExpertWeights upload_experts(const std::vector<StoredWeight>& gate, const std::vector<StoredWeight>& up,
+                               const std::vector<StoredWeight>& down) override;
   Tensor random_tensor(DType dtype, const std::vector<int64_t>& shape, uint64_t seed, float scale) override;
   KvLayer alloc_kv_layer(int num_pages, int page_size, int kv_heads, int k_head_dim, int v_head_dim) override;
   DType lora_dtype() const override { return DType::kF32; }
@@ -79,8 +77,5 @@ class CpuBackend final : public Backend {
   StepBatch batch_;
   std::vector<Tensor> scratch_;
 };
-
-// Dequantises (or widens) a checkpoint weight to float32 [out, in].
-Tensor weight_to_f32(const Tensor& w, const Tensor& scale_inv, int block_out, int block_in, int split_rows = 0);
 
 }  // namespace moelora

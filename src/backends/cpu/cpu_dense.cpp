@@ -1,4 +1,5 @@
-// CPU reference: dense projections, LoRA, norms, activations, FP8 (de)quantisation.
+// CPU reference: dense projections, LoRA, norms, activations, FP8 activation quantisation.
+// (Weight dequantisation is ops/weight_format.h.)
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -8,36 +9,6 @@
 #include "core/dtype.h"
 
 namespace moelora::cpu {
-
-int scale_row_block(int row, int block_out, int split_rows) {
-  if (split_rows <= 0 || row < split_rows) return row / block_out;
-  return (split_rows + block_out - 1) / block_out + (row - split_rows) / block_out;
-}
-
-void dequantize_fp8_block(const uint8_t* q, int rows, int cols, const float* scale_inv, int block_out,
-                          int block_in, int split_rows, float* out) {
-  const int col_blocks = (cols + block_in - 1) / block_in;
-  for (int i = 0; i < rows; ++i) {
-    const float* srow = scale_inv + static_cast<int64_t>(scale_row_block(i, block_out, split_rows)) * col_blocks;
-    for (int j = 0; j < cols; ++j) {
-      const int64_t idx = static_cast<int64_t>(i) * cols + j;
-      out[idx] = fp8e4m3_to_f32(q[idx]) * srow[j / block_in];
-    }
-  }
-}
-
-void dequantize_nvfp4(const uint8_t* packed, int rows, int cols, const uint8_t* block_scales, float global_scale,
-                      float* out) {
-  MOELORA_CHECK_MSG(cols % 16 == 0, "NVFP4 rows hold whole groups of 16 values, got {} columns", cols);
-  const int groups = cols / 16;
-  for (int i = 0; i < rows; ++i)
-    for (int j = 0; j < cols; ++j) {
-      const uint8_t byte = packed[static_cast<int64_t>(i) * (cols / 2) + j / 2];
-      const uint8_t code = (j % 2 == 0) ? (byte & 0x0f) : (byte >> 4);
-      const float block = fp4e2m1_to_f32(code) * fp8e4m3_to_f32(block_scales[static_cast<int64_t>(i) * groups + j / 16]);
-      out[static_cast<int64_t>(i) * cols + j] = block * global_scale;
-    }
-}
 
 void fp8_activation_round_trip(const float* x, int64_t ld, int64_t rows, int cols, double* out) {
   const int groups = (cols + 127) / 128;

@@ -19,20 +19,6 @@ namespace moelora::cpu {
 std::vector<SampleOutput> sample(const float* logits, int64_t ld, int vocab, const std::vector<SampleRow>& rows);
 
 // ---- Numerics helpers
-// Row block of FP8 scale row `row` (see LinearWeight::split_rows).
-int scale_row_block(int row, int block_out, int split_rows);
-// W[i][j] = q[i][j] * scale_inv[row_block(i)][j / block_in] (see LinearWeight::split_rows).
-void dequantize_fp8_block(const uint8_t* q, int rows, int cols, const float* scale_inv, int block_out,
-                          int block_in, int split_rows, float* out);
-// NVFP4 as ModelOpt exports it: `packed` [rows, cols / 2] holds two e2m1 values per byte, element
-// 2j of a row in the low nibble of byte j and element 2j + 1 in the high nibble; `block_scales`
-// [rows, cols / 16] one e4m3 scale per 16 consecutive values of a row (the checkpoint's
-// `weight_scale`, linear layout); `global_scale` the f32 per-tensor `weight_scale_2`:
-//   W[i][j] = e2m1(q[i][j]) * e4m3(scale[i][j / 16]) * global_scale
-// computed as (e2m1 * scale) in f32 (exact: 2 x 4 significant bits) times the global scale, so the
-// only rounding is the last product's. cols % 16 == 0. A NaN scale gives NaN (loaders refuse it).
-void dequantize_nvfp4(const uint8_t* packed, int rows, int cols, const uint8_t* block_scales, float global_scale,
-                      float* out);
 // Per-token, per-`group`-channel e4m3 quantisation with scale = amax / 448 (what the GPU does to
 // activations before an FP8 GEMM): q[t][c] = fp8(x[t][c] / scale[t][c / group]).
 void quantize_fp8_per_token_group(const float* x, int64_t rows, int cols, int group, uint8_t* q,

@@ -100,32 +100,50 @@ Tensor CudaBackend::upload(const Tensor& host, DType dtype) {
   return out;
 }
 
-LinearWeight CudaBackend::upload_linear(const Tensor& w, const Tensor& scale_inv, int block_out, int block_in) {
+// FP8 stays FP8 (the kernels read it with its block scales); dense weights become bf16. NVFP4 has no
+// 4-bit kernel on this backend yet: it is dequantised on the host (e2m1 x e4m3 x global, f32) and
+// served as bf16, exact to one bf16 rounding but at 16-bit bandwidth (docs/gpu.md).
+namespace {
+Tensor dense_source(const StoredWeight& w) { return w.format.is_nvfp4() ? dequantize_to_f32(w) : w.data; }
+}  // namespace
+
+LinearWeight CudaBackend::upload_linear(const StoredWeight& sw) {
   LinearWeight lw;
-  lw.out = static_cast<int>(w.dim(0));
-  lw.in = static_cast<int>(w.dim(1));
-  lw.block_out = block_out;
-  lw.block_in = block_in;
-  if (w.dtype() == DType::kF8E4M3) {
-    lw.w = upload(w, DType::kF8E4M3);  // FP8 stays FP8
-    lw.scale_inv = upload(scale_inv, DType::kF32);
+  lw.out = sw.out;
+  lw.in = sw.in;
+  if (sw.format.is_fp8()) {
+    lw.block_out = sw.format.block_out;
+    lw.block_in = sw.format.block_in;
+    lw.w = upload(sw.data, DType::kF8E4M3);
+    lw.scale_inv = upload(sw.scale, DType::kF32);
   } else {
-    lw.w = upload(w, DType::kBF16);
+    lw.w = upload(dense_source(sw), DType::kBF16);
   }
   return lw;
 }
 
-ExpertWeights CudaBackend::upload_experts(const std::vector<Tensor>& gate, const std::vector<Tensor>& gate_scale,
-                                          const std::vector<Tensor>& up, const std::vector<Tensor>& up_scale,
-                                          const std::vector<Tensor>& down, const std::vector<Tensor>& down_scale,
-                                          int block_out, int block_in) {
+ExpertWeights CudaBackend::upload_experts(const std::vector<StoredWeight>& gate_w, const std::vector<StoredWeight>& up_w,
+                                          const std::vector<StoredWeight>& down_w) {
+  const WeightFormat fmt = gate_w[0].format;
+  const bool fp8 = fmt.is_fp8();
+  const int block_out = fp8 ? fmt.block_out : 128, block_in = fp8 ? fmt.block_in : 128;
+  std::vector<Tensor> gate, gate_scale, up, up_scale, down, down_scale;
+  for (size_t e = 0; e < gate_w.size(); ++e) {
+    gate.push_back(fp8 ? gate_w[e].data : dense_source(gate_w[e]));
+    up.push_back(fp8 ? up_w[e].data : dense_source(up_w[e]));
+    down.push_back(fp8 ? down_w[e].data : dense_source(down_w[e]));
+    if (fp8) {
+      gate_scale.push_back(gate_w[e].scale);
+      up_scale.push_back(up_w[e].scale);
+      down_scale.push_back(down_w[e].scale);
+    }
+  }
   ExpertWeights ew;
   const int E = static_cast<int>(gate.size());
   const int I = static_cast<int>(gate[0].dim(0)), H = static_cast<int>(gate[0].dim(1));
   ew.num_experts = E;
   ew.hidden = H;
   ew.intermediate = I;
-  const bool fp8 = !gate_scale.empty();
   // Packed expert-major: gate then up rows per expert; per-expert scale blocks likewise
   // (kernels/moe_gemm.cuh "Layouts").
   auto pack = [&](const std::vector<const std::vector<Tensor>*>& parts, int64_t rows_per_expert, int64_t cols,

@@ -97,13 +97,14 @@ std::vector<std::string> shape_limit_violations(const ModelShapes& s) {
   // FP8 weights. kernels/dense_gemm.cu to_params: dense projections need 128-wide column blocks
   // (block_in); kernels/moe_gemm.cu computes expert scale rows and columns as index / 128 (no
   // check there: other blocks would read the wrong scales silently).
-  if (s.fp8) {
-    const bool dense_ok = s.fp8_block_in == kFp8Block;
-    const bool experts_ok = s.num_experts == 0 || (s.fp8_block_out == kFp8Block && s.fp8_block_in == kFp8Block);
+  const WeightFormat& wf = s.weight_format;
+  if (wf.is_fp8()) {
+    const bool dense_ok = wf.block_in == kFp8Block;
+    const bool experts_ok = s.num_experts == 0 || (wf.block_out == kFp8Block && wf.block_in == kFp8Block);
     if (!dense_ok || !experts_ok)
       v.push_back(fmt::format("FP8: weight_block_size [{}, {}] is not supported, the CUDA kernels take [{}, {}] "
                               "(dense projections need {}-wide column blocks, the expert GEMMs {} x {} blocks)",
-                              s.fp8_block_out, s.fp8_block_in, s.num_experts > 0 ? "128" : "any", kFp8Block,
+                              wf.block_out, wf.block_in, s.num_experts > 0 ? "128" : "any", kFp8Block,
                               kFp8Block, kFp8Block, kFp8Block));
   }
 
