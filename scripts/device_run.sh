@@ -11,6 +11,9 @@
 #            the grouped GEMMs at 256 tokens in both regimes
 #   moefull  the whole MoE workbench (every table of bench/RESULTS.md's MoE section)
 #   sampler  the sampling op tests and the sampler workbench (cluster size x rows x logits)
+#   nvfp4refs the float64 Hugging Face references of the NVFP4 fixtures (python3 with torch,
+#            transformers 5.17, peft 0.21: the H200 machine has them), copied to $OUT/fixtures to
+#            be committed; run it before verify so that verify covers the NVFP4 checkpoints
 # SERVE_CONC (default "1 16 64 256") lists the concurrencies of the random-weight serving runs.
 set -uo pipefail
 export LD_LIBRARY_PATH=$PWD/.device/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -21,6 +24,14 @@ date -u
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 for stage in $stages; do
   case $stage in
+  nvfp4refs)
+    echo "== NVFP4 fixture references"
+    timeout 240 python3 scripts/make_nvfp4_fixtures.py references tests/fixtures > $out/nvfp4_refs.log 2>&1
+    echo "exit $?"; tail -4 $out/nvfp4_refs.log
+    for a in qwen3moe mixtral deepseekv3; do
+      mkdir -p $out/fixtures/$a
+      cp tests/fixtures/$a/cases.json tests/fixtures/$a/expected-nvfp4.safetensors $out/fixtures/$a/ 2>/dev/null
+    done ;;
   ops)
     echo "== op suite"
     timeout 300 ./.device/moelora_op_suite --gtest_brief=1 > $out/op_suite.log 2>&1; echo "exit $?"

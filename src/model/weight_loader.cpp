@@ -14,6 +14,30 @@ struct Loader {
   const Checkpoint& ck;
   const ModelConfig& cfg;
   Backend& backend;
+  // Sizing pass: every tensor is read and checked as for real, but instead of being uploaded its
+  // backend bytes are added here (and empty weights returned).
+  size_t* sizing = nullptr;
+
+  // Every tensor of the model, in load order.
+  Result<ModelWeights> run();
+
+  Tensor put(const Tensor& host, DType dtype) {
+    if (!sizing) return backend.upload(host, dtype);
+    *sizing += backend.upload_bytes(dtype, host.numel());
+    return Tensor();
+  }
+  LinearWeight put_linear(const StoredWeight& w) {
+    if (!sizing) return backend.upload_linear(w);
+    *sizing += backend.linear_bytes(w);
+    return LinearWeight();
+  }
+  ExpertWeights put_experts(const std::vector<StoredWeight>& g, const std::vector<StoredWeight>& u,
+                            const std::vector<StoredWeight>& d) {
+    if (!sizing) return backend.upload_experts(g, u, d);
+    for (const auto* part : {&g, &u, &d})
+      for (const StoredWeight& w : *part) *sizing += backend.linear_bytes(w);
+    return ExpertWeights();
+  }
 
   Result<Tensor> get(const std::string& name, const std::vector<int64_t>& shape) {
     MOELORA_ASSIGN_OR_RETURN(Tensor t, ck.tensor(name));
@@ -104,13 +128,13 @@ struct Loader {
 
   Result<LinearWeight> linear(const std::string& prefix, int out, int in) {
     MOELORA_ASSIGN_OR_RETURN(StoredWeight r, stored_linear(prefix, out, in));
-    return backend.upload_linear(r);
+    return put_linear(r);
   }
 
   // Norm weights in the activation dtype (what the norm kernels read); biases in f32.
   Result<Tensor> vec(const std::string& name, int n, DType dtype) {
     MOELORA_ASSIGN_OR_RETURN(Tensor t, get(name, {n}));
-    return backend.upload(t, dtype);
+    return put(t, dtype);
   }
   Result<Tensor> norm(const std::string& name, int n) { return vec(name, n, backend.act_dtype()); }
 
@@ -167,13 +191,13 @@ struct Loader {
                               l, layer_prefix, nm.moe_blocks.front());
     const int H = c.hidden_size, I = c.moe_intermediate_size, E = c.num_experts;
     MOELORA_ASSIGN_OR_RETURN(Tensor router, get(block + ".gate.weight", {E, H}));
-    lw.router = backend.upload_linear(dense_weight(router));
+    lw.router = put_linear(dense_weight(router));
     if (c.router == RouterKind::kSigmoidGroupTopK) {
       const std::string bias = block + ".gate.e_score_correction_bias";
       if (ck.contains(bias)) {
         MOELORA_ASSIGN_OR_RETURN(lw.router_bias, vec(bias, E, DType::kF32));
       } else {
-        lw.router_bias = backend.upload(Tensor::empty_host(DType::kF32, {E}), DType::kF32);
+        lw.router_bias = put(Tensor::empty_host(DType::kF32, {E}), DType::kF32);
       }
     }
     std::vector<StoredWeight> g(E), u(E), d(E);
@@ -188,7 +212,7 @@ struct Loader {
           return invalid_argument("checkpoint {}: layer {} mixes weight formats in its experts ({} and {})", ck.dir(),
                                   l, g[0].format.describe(), x->format.describe());
     }
-    lw.experts = backend.upload_experts(g, u, d);
+    lw.experts = put_experts(g, u, d);
     if (c.n_shared_experts > 0) {
       lw.has_shared = true;
       MOELORA_ASSIGN_OR_RETURN(lw.shared, mlp(block + ".shared_experts", I * c.n_shared_experts));
@@ -197,19 +221,16 @@ struct Loader {
   }
 };
 
-}  // namespace
-
-Result<ModelWeights> load_model_weights(const Checkpoint& ck, const ModelConfig& cfg, Backend& backend) {
-  Loader L{ck, cfg, backend};
+Result<ModelWeights> Loader::run() {
   ModelWeights w;
   const int H = cfg.hidden_size, V = cfg.vocab_size;
-  MOELORA_ASSIGN_OR_RETURN(Tensor embed, L.get("model.embed_tokens.weight", {V, H}));
-  w.embed = backend.upload(embed, backend.act_dtype());
-  MOELORA_ASSIGN_OR_RETURN(w.final_norm, L.norm("model.norm.weight", H));
+  MOELORA_ASSIGN_OR_RETURN(Tensor embed, get("model.embed_tokens.weight", {V, H}));
+  w.embed = put(embed, backend.act_dtype());
+  MOELORA_ASSIGN_OR_RETURN(w.final_norm, norm("model.norm.weight", H));
   if (ck.contains("lm_head.weight")) {
-    MOELORA_ASSIGN_OR_RETURN(w.lm_head, L.linear("lm_head", V, H));
+    MOELORA_ASSIGN_OR_RETURN(w.lm_head, linear("lm_head", V, H));
   } else if (cfg.tie_word_embeddings) {
-    w.lm_head = backend.upload_linear(dense_weight(embed));
+    w.lm_head = put_linear(dense_weight(embed));
   } else {
     return invalid_argument("checkpoint {}: no lm_head.weight and tie_word_embeddings is false", ck.dir());
   }
@@ -217,17 +238,45 @@ Result<ModelWeights> load_model_weights(const Checkpoint& ck, const ModelConfig&
   for (int l = 0; l < cfg.num_layers; ++l) {
     LayerWeights& lw = w.layers[l];
     const std::string p = fmt::format("model.layers.{}.", l);
-    MOELORA_ASSIGN_OR_RETURN(lw.input_norm, L.norm(p + "input_layernorm.weight", H));
-    MOELORA_ASSIGN_OR_RETURN(lw.post_attention_norm, L.norm(p + "post_attention_layernorm.weight", H));
-    MOELORA_RETURN_IF_ERROR(L.attention(p + "self_attn.", lw.attn));
+    MOELORA_ASSIGN_OR_RETURN(lw.input_norm, norm(p + "input_layernorm.weight", H));
+    MOELORA_ASSIGN_OR_RETURN(lw.post_attention_norm, norm(p + "post_attention_layernorm.weight", H));
+    MOELORA_RETURN_IF_ERROR(attention(p + "self_attn.", lw.attn));
     lw.is_moe = cfg.layer_is_moe[l];
     if (lw.is_moe) {
-      MOELORA_RETURN_IF_ERROR(L.moe(p, l, lw));
+      MOELORA_RETURN_IF_ERROR(moe(p, l, lw));
     } else {
-      MOELORA_ASSIGN_OR_RETURN(lw.mlp, L.mlp(p + "mlp", cfg.intermediate_size));
+      MOELORA_ASSIGN_OR_RETURN(lw.mlp, mlp(p + "mlp", cfg.intermediate_size));
     }
   }
   return w;
+}
+
+}  // namespace
+
+Result<size_t> device_weight_bytes(const Checkpoint& ck, const ModelConfig& cfg, Backend& backend) {
+  size_t need = 0;
+  Loader sizing{ck, cfg, backend, &need};
+  MOELORA_RETURN_IF_ERROR(sizing.run().status());
+  return need;
+}
+
+Result<ModelWeights> load_model_weights(const Checkpoint& ck, const ModelConfig& cfg, Backend& backend) {
+  // First every tensor is checked and its device bytes summed, then everything is uploaded: a
+  // malformed or oversized checkpoint is refused before any memory is taken.
+  MOELORA_ASSIGN_OR_RETURN(const size_t need, device_weight_bytes(ck, cfg, backend));
+  size_t free = 0, total = 0;
+  if (backend.device_memory(&free, &total) && need > free) {
+    const double gib = 1024.0 * 1024.0 * 1024.0;
+    return make_error(ErrorCode::kResourceExhausted,
+                      "checkpoint {}: the weights take {:.2f} GiB on this device ({}{}) but {:.2f} GiB of {:.2f} GiB "
+                      "are free; use a GPU with more memory, spread the model over GPUs (--tp/--ep), or a smaller "
+                      "checkpoint",
+                      ck.dir(), need / gib, cfg.weight_format.describe(),
+                      cfg.weight_format.is_nvfp4() ? "; NVFP4 is held as bf16 on the GPU until its 4-bit kernels exist" : "", free / gib,
+                      total / gib);
+  }
+  Loader upload{ck, cfg, backend};
+  return upload.run();
 }
 
 }  // namespace moelora

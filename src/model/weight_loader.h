@@ -10,6 +10,10 @@
 
 namespace moelora {
 
+// Checks every tensor, then refuses weights that need more than the device's free memory
+// (Backend::device_memory) before uploading any of them.
 Result<ModelWeights> load_model_weights(const Checkpoint& ck, const ModelConfig& cfg, Backend& backend);
+// The bytes `backend` will hold for the checkpoint's weights (every tensor checked, nothing uploaded).
+Result<size_t> device_weight_bytes(const Checkpoint& ck, const ModelConfig& cfg, Backend& backend);
 
 }  // namespace moelora

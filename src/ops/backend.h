@@ -41,6 +41,12 @@ class Backend {
   virtual Tensor upload(const Tensor& host, DType dtype) = 0;
   // A linear weight as the checkpoint stores it (any WeightFormat; validated by the loader).
   virtual LinearWeight upload_linear(const StoredWeight& w) = 0;
+  // Bytes the backend will hold for upload(host of `numel` elements, dtype) and upload_linear(w)
+  // (allocation granularity included): the loader sums them before uploading anything, so weights
+  // that cannot fit are refused with a message instead of failing an allocation half-way.
+  // Defaults: exactly the elements' bytes; a linear in f32 (the CPU reference).
+  virtual size_t upload_bytes(DType dtype, int64_t numel) const { return static_cast<size_t>(numel) * dtype_size(dtype); }
+  virtual size_t linear_bytes(const StoredWeight& w) const { return upload_bytes(DType::kF32, int64_t{w.out} * w.in); }
   // Routed experts from per-expert checkpoint weights (gate[e], up[e]: [I, H]; down[e]: [H, I]),
   // all of one format.
   virtual ExpertWeights upload_experts(const std::vector<StoredWeight>& gate, const std::vector<StoredWeight>& up,

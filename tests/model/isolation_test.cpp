@@ -123,7 +123,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Fixture{"deepseekv3/model-bf16", MlaMode::kAbsorbed},
                       Fixture{"deepseekv3/model-fp8", MlaMode::kAbsorbed},
                       Fixture{"deepseekv3/model-bf16", MlaMode::kDecompressed},
-                      Fixture{"deepseekv3/model-fp8", MlaMode::kDecompressed}),
+                      Fixture{"deepseekv3/model-fp8", MlaMode::kDecompressed},
+                      Fixture{"qwen3moe/model-nvfp4", MlaMode::kDecompressed},
+                      Fixture{"mixtral/model-nvfp4", MlaMode::kDecompressed},
+                      Fixture{"deepseekv3/model-nvfp4", MlaMode::kAbsorbed}),
     [](const auto& info) {
       std::string n = info.param.checkpoint;
       for (char& c : n)

@@ -12,6 +12,7 @@
 #include "model/model_config.h"
 #include "model/weight_loader.h"
 #include "ops/weight_format.h"
+#include "tests/testutil/forwarding_backend.h"
 #include "tests/testutil/scripted_steps.h"
 #include "tests/testutil/test_files.h"
 
@@ -308,6 +309,62 @@ TEST(Nvfp4Loading, CompressedTensorsGlobalScaleIsChecked) {
   auto w = load_model_weights(*ck, *cfg, backend);
   ASSERT_FALSE(w.ok());
   EXPECT_NE(w.status().message().find("both '" + e + ".weight' and"), std::string::npos) << w.status().message();
+}
+
+}  // namespace
+}  // namespace moelora
+
+namespace moelora {
+namespace {
+
+// A CPU backend that reports a device of `free` bytes and counts what is uploaded.
+class SmallDevice : public testutil::ForwardingCpuBackend {
+ public:
+  explicit SmallDevice(size_t free) : free_(free) {}
+  std::string name() const override { return "small-device"; }
+  bool device_memory(size_t* free, size_t* total) override {
+    *free = free_;
+    *total = 2 * free_;
+    return true;
+  }
+  Tensor upload(const Tensor& host, DType dtype) override {
+    ++uploads;
+    return ForwardingCpuBackend::upload(host, dtype);
+  }
+  LinearWeight upload_linear(const StoredWeight& w) override {
+    ++uploads;
+    return ForwardingCpuBackend::upload_linear(w);
+  }
+  int uploads = 0;
+
+ private:
+  size_t free_;
+};
+
+TEST(WeightsThatDoNotFit, AreRefusedBeforeAnythingIsUploaded) {
+  const std::string dir = testutil::fixture_path("qwen3moe/model-nvfp4");
+  auto cfg = load_model_config(dir);
+  ASSERT_TRUE(cfg.ok());
+  auto ck = Checkpoint::open(dir);
+  ASSERT_TRUE(ck.ok());
+  SmallDevice probe(0);
+  auto need = device_weight_bytes(*ck, *cfg, probe);
+  ASSERT_TRUE(need.ok()) << need.status().message();
+  EXPECT_EQ(probe.uploads, 0);
+  // The CPU reference holds every linear in f32: vocab x hidden for the embedding and lm_head alone.
+  EXPECT_GT(*need, size_t{2} * 256 * 128 * 4);
+
+  SmallDevice tight(*need - 1);
+  auto refused = load_model_weights(*ck, *cfg, tight);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), ErrorCode::kResourceExhausted);
+  EXPECT_NE(refused.status().message().find("the weights take"), std::string::npos) << refused.status().message();
+  EXPECT_NE(refused.status().message().find("NVFP4 is held as bf16"), std::string::npos);
+  EXPECT_EQ(tight.uploads, 0);
+
+  SmallDevice exact(*need);
+  EXPECT_TRUE(load_model_weights(*ck, *cfg, exact).ok());
+  EXPECT_GT(exact.uploads, 0);
 }
 
 }  // namespace

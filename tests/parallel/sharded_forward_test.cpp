@@ -163,6 +163,9 @@ std::vector<Case> all_cases() {
   // The decompressed MLA form (per-head K/V caches cut by heads) stays covered too.
   cases.push_back({"deepseekv3/model-fp8:decompressed", 2, 2});
   cases.push_back({"deepseekv3/model-bf16:decompressed", 4, 1});
+  // NVFP4 checkpoints: the cut happens after dequantisation, as for FP8.
+  for (const char* ck : {"qwen3moe/model-nvfp4", "mixtral/model-nvfp4", "deepseekv3/model-nvfp4"})
+    cases.push_back({ck, 2, 2});
   return cases;
 }
 

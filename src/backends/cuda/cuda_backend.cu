@@ -107,6 +107,19 @@ namespace {
 Tensor dense_source(const StoredWeight& w) { return w.format.is_nvfp4() ? dequantize_to_f32(w) : w.data; }
 }  // namespace
 
+size_t CudaBackend::upload_bytes(DType dtype, int64_t numel) const {
+  // device_tensor: at least 16 bytes; cudaMalloc hands out 256-byte aligned blocks.
+  const size_t bytes = std::max<size_t>(16, static_cast<size_t>(numel) * dtype_size(dtype));
+  return (bytes + 255) / 256 * 256;
+}
+
+size_t CudaBackend::linear_bytes(const StoredWeight& w) const {
+  const int64_t n = int64_t{w.out} * w.in;
+  if (!w.format.is_fp8()) return upload_bytes(DType::kBF16, n);
+  const auto s = w.format.scale_shape(w.out, w.in);
+  return upload_bytes(DType::kF8E4M3, n) + upload_bytes(DType::kF32, s[0] * s[1]);
+}
+
 LinearWeight CudaBackend::upload_linear(const StoredWeight& sw) {
   LinearWeight lw;
   lw.out = sw.out;

@@ -52,6 +52,8 @@ class CudaBackend final : public Backend {
 
   Tensor upload(const Tensor& host, DType dtype) override;
   LinearWeight upload_linear(const StoredWeight& w) override;
+  size_t upload_bytes(DType dtype, int64_t numel) const override;
+  size_t linear_bytes(const StoredWeight& w) const override;
   ExpertWeights upload_experts(const std::vector<StoredWeight>& gate, const std::vector<StoredWeight>& up,
                                const std::vector<StoredWeight>& down) override;
   Tensor random_tensor(DType dtype, const std::vector<int64_t>& shape, uint64_t seed, float scale) override;
