@@ -219,7 +219,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, MlaAbsorbedOp,
                                            Shape{1, 6, 4, 9, 13, true}));
 
 // The kv_b LoRA is not dropped: with the adapter's factors zeroed out of the table the output
-// moves by O(1) (vLLM's absorbed MLA silently ignored it: shared/docs/reference, #19).
+// moves by O(1) (vLLM's absorbed MLA path does not apply a kv_b_proj LoRA at all, which this
+// product must not repeat).
 TEST(MlaAbsorbedOpLora, AdapterChangesTheOutputAndBaseTokensIgnoreTheTable) {
   const int H = 2, nope = 4, rope = 2, vd = 3, R = 5, F = nope + vd, r = 2;
   CpuBackend backend;
