@@ -21,6 +21,13 @@ struct Loader {
   // Every tensor of the model, in load order.
   Result<ModelWeights> run();
 
+  // validate_stored_weight, once per load: the sizing pass always runs first (load_model_weights)
+  // and has checked the same mapped tensors, so the upload pass does not scan every scale again.
+  Status checked(const StoredWeight& w, const std::string& name) const {
+    if (!sizing) return {};
+    return validate_stored_weight(w, fmt::format("checkpoint {}: '{}'", ck.dir(), name));
+  }
+
   Tensor put(const Tensor& host, DType dtype) {
     if (!sizing) return backend.upload(host, dtype);
     *sizing += backend.upload_bytes(dtype, host.numel());
@@ -73,9 +80,7 @@ struct Loader {
       r.format = declared.is_fp8() ? declared : WeightFormat::fp8_block(128, 128);
       const auto sshape = r.format.scale_shape(out, in);
       MOELORA_ASSIGN_OR_RETURN(r.scale, get(sname, sshape));
-      if (r.scale.dtype() != DType::kF32 && r.scale.dtype() != DType::kBF16)
-        return invalid_argument("checkpoint {}: '{}' must be F32 or BF16, not {}", ck.dir(), sname,
-                                dtype_name(r.scale.dtype()));
+      MOELORA_RETURN_IF_ERROR(checked(r, sname));
     } else {
       for (const std::string& stray :
            {sname, prefix + ".weight_scale", prefix + ".weight_scale_2", prefix + ".weight_global_scale"})
@@ -122,7 +127,7 @@ struct Loader {
       return invalid_argument("checkpoint {}: '{}' is {}, must be finite and > 0", ck.dir(), gname, g);
     // input_scale (the static activation scale of Blackwell's FP4 x FP4 GEMMs) is not used: on this
     // engine activations stay in the compute dtype (weight-only 4-bit, docs/numerics.md).
-    MOELORA_RETURN_IF_ERROR(validate_stored_weight(r, fmt::format("checkpoint {}: '{}'", ck.dir(), wname)));
+    MOELORA_RETURN_IF_ERROR(checked(r, wname));
     return r;
   }
 

@@ -39,15 +39,6 @@ std::vector<int64_t> WeightFormat::scale_shape(int out, int in) const {
   return {};
 }
 
-const char* WeightFormat::scale_suffix() const {
-  switch (encoding) {
-    case WeightEncoding::kFp8Block: return "_scale_inv";
-    case WeightEncoding::kNvfp4: return "_scale";
-    case WeightEncoding::kDense: break;
-  }
-  return "";
-}
-
 double WeightFormat::bytes_per_weight() const {
   switch (encoding) {
     case WeightEncoding::kFp8Block: return 1.0 + 4.0 / (static_cast<double>(block_out) * block_in);

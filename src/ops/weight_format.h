@@ -42,8 +42,6 @@ struct WeightFormat {
   // Shapes in the file for a logical [out, in] weight.
   std::vector<int64_t> stored_shape(int out, int in) const;
   std::vector<int64_t> scale_shape(int out, int in) const;
-  // The name suffix of the block scales next to `<module>.weight` ("" for dense).
-  const char* scale_suffix() const;
   // Bytes per weight element in memory, block scales included (what a GEMV must read).
   double bytes_per_weight() const;
   // "bf16", "FP8 e4m3 (128x128 block scales)", "NVFP4 (e2m1, 16-value groups)".
