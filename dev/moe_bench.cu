@@ -42,6 +42,7 @@ struct Version {
   int tile = -1;
   bool one_stream = false;
   int act8 = -1;  // -1: the heuristic's FP8 regime; 0: W8A16; 1: W8A8
+  int wgmma = -1;  // -1: the heuristic's kernel; 0: mma.sync; 1: the Hopper TMA + wgmma GEMM
 };
 const Version kV1{"v1", false, false}, kV2{"v2", true, true}, kV3{"v3", true, true, true},
     kV4{"v4", true, true, true, -1, true};
@@ -134,6 +135,8 @@ struct Bench {
     a.tuning->lora_fused = v.lora_fused;
     if (v.tile >= 0) a.tuning->tile = static_cast<MoeGemmTile>(v.tile);
     if (v.act8 >= 0) a.tuning->act_fp8 = v.act8 == 1;
+    if (v.wgmma >= 0) a.tuning->wgmma = v.wgmma == 1;
+    else if (a.tuning->act_fp8) a.tuning->wgmma = false;  // wgmma takes W8A16 only
     MoeStreams st{s, v.one_stream ? nullptr : side, ev[0], ev[1], ev[2], ev[3]};
     moe_forward(a, ws, st);
   }
@@ -183,6 +186,116 @@ std::pair<double, double> measure_kernel_bw(int sms) {
   return {2.0 * bytes / (tc * 1e-6) / 1e9, bytes / (tr * 1e-6) / 1e9};
 }
 
+// Prefill-shaped layers (compute-bound; one copy: the weights are re-read by many tiles anyway).
+void prefill_table(Bench& b) {
+  std::printf("\nprefill (base, v2, one weight copy): T | regime | us | TFLOP/s (2*T*k*3*H*I)\n");
+  {
+    MoeShape ps{8192, kK, kE, kH, kI, /*fp8_activations=*/true};
+    DeviceArray<uint8_t> pws(moe_workspace_bytes(ps, nullptr));
+    MoeWorkspace w2 = moe_workspace_carve(pws.get(), ps, nullptr);
+    DeviceArray<uint16_t> px(static_cast<size_t>(8192) * kH), pout(static_cast<size_t>(8192) * kH);
+    DeviceArray<float> plog(static_cast<size_t>(8192) * kE), pw(static_cast<size_t>(8192) * kK);
+    DeviceArray<int32_t> pids(static_cast<size_t>(8192) * kK);
+    {
+      FastRng r(7);
+      std::vector<uint16_t> xb(px.size());
+      for (auto& v : xb) v = f32_to_bf16(r.normal());
+      std::vector<float> lg(plog.size());
+      for (auto& v : lg) v = 2.0f * r.normal();
+      px.upload(xb);
+      plog.upload(lg);
+    }
+    for (int T : {1024, 2048, 8192})
+    for (int a8 = 0; a8 < 3; ++a8) {  // W8A16, W8A8, W8A16 on the wgmma GEMM
+      auto run = [&](cudaStream_t s, int) {
+        MoeForwardArgs a;
+        a.T = T;
+        a.x = reinterpret_cast<const bf16*>(px.get());
+        a.ldx = kH;
+        a.logits = plog.get();
+        a.router.renormalize = true;
+        a.ids = pids.get();
+        a.weights = pw.get();
+        a.w_gate_up = b.copies[0].ex.gu.get();
+        a.s_gate_up = b.copies[0].ex.gu_s.get();
+        a.w_down = b.copies[0].ex.d.get();
+        a.s_down = b.copies[0].ex.d_s.get();
+        a.shape = ps;
+        a.out = reinterpret_cast<bf16*>(pout.get());
+        a.ldo = kH;
+        a.tuning = moe_tuning(a);
+        a.tuning->act_fp8 = a8 == 1;
+        a.tuning->wgmma = a8 == 2;
+        moe_forward(a, w2, MoeStreams{s});
+      };
+      const double us = time_graph_us(run, 1, 10);
+      std::printf("%5d | %s | %8.1f | %6.1f\n", T, a8 == 0 ? "W8A16" : a8 == 1 ? "W8A8 " : "W8A16 wgmma", us,
+                  2.0 * T * kK * 3.0 * kH * kI / (us * 1e-6) / 1e12);
+    }
+  }
+
+}
+
+// `dev_moe_bench wgmma`: the Hopper grouped GEMM (MoeTuning::wgmma) against the CPU reference and
+// against the mma.sync kernels, then both timed per tile at every batch, base and 8 adapters.
+bool wgmma_mode(Bench& b, int ncopies, double bw) {
+  bool ok = true;
+  for (int T : {1, 3, 64, 256})
+    for (int tl = 0; tl < 4; ++tl)
+      for (int adapters : {0, 8}) {
+        Version v = kV2;
+        v.tile = tl;
+        v.act8 = 0;
+        v.wgmma = 1;
+        b.launch(nullptr, 0, T, v, adapters);
+        MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+        const auto out = b.out_of(0, T);
+        v.wgmma = 0;
+        b.launch(nullptr, 0, T, v, adapters);
+        MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+        const auto ref_sync = b.out_of(0, T);
+        const double vs_sync = compare_rows(out, ref_sync, T, kH).worst_rel;
+        double vs_cpu = -1.0;
+        if (T <= 64) {
+          const auto ids = b.copies[0].ids.download(static_cast<size_t>(T) * kK);
+          const auto w = b.copies[0].w.download(static_cast<size_t>(T) * kK);
+          std::vector<int32_t> slots(T);
+          for (int t = 0; t < T; ++t) slots[t] = t % kSlots;
+          std::vector<float> x(b.hx[0].begin(), b.hx[0].begin() + static_cast<size_t>(T) * kH);
+          const MoeReference ref = moe_reference(b.hex, x, T, ids, w, adapters ? &slots : nullptr, adapters ? &b.hl : nullptr);
+          const Comparison cmp = compare_rows(out, ref.out, T, kH);
+          vs_cpu = cmp.non_finite ? 1e9 : cmp.worst_rel;
+        }
+        const bool pass = vs_sync <= 1e-2 && vs_cpu <= 1e-2;
+        ok &= pass;
+        std::printf("check wgmma tile %d %-6s T=%3d: worst row rel err vs CPU %.2e, vs mma.sync %.2e %s\n",
+                    moe_gemm_tile_rows(static_cast<MoeGemmTile>(tl)), adapters ? "8 LoRA" : "base", T, vs_cpu, vs_sync,
+                    pass ? "ok" : "FAIL");
+      }
+  std::printf("checks %s\n", ok ? "passed" : "FAILED");
+  std::printf("\nmma.sync vs wgmma, W8A16, graph replay, %d copies, median of 30, us (floor at %.0f GB/s: all experts "
+              "touched = %.1f us)\n", ncopies, bw, 3.0 * kH * kI * kE * (1.0 + 4.0 / 16384.0) / bw * 1e-3);
+  std::printf("   T | adapters | sync t8 | t16 | t32 | t64 | wgmma t8 | t16 | t32 | t64 | default\n");
+  for (int T : kTokens)
+    for (int adapters : {0, 8}) {
+      if (adapters && T != 1 && T != 8 && T != 64 && T != 256) continue;
+      double t[2][4];
+      for (int wg = 0; wg < 2; ++wg)
+        for (int tl = 0; tl < 4; ++tl) {
+          Version v = kV2;
+          v.tile = tl;
+          v.act8 = 0;
+          v.wgmma = wg;
+          t[wg][tl] = time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, v, adapters); }, ncopies, 30);
+        }
+      const double def = time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, kV2, adapters); }, ncopies, 30);
+      std::printf("%4d | %d | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f\n", T, adapters,
+                  t[0][0], t[0][1], t[0][2], t[0][3], t[1][0], t[1][1], t[1][2], t[1][3], def);
+    }
+  prefill_table(b);
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -205,12 +318,14 @@ int main(int argc, char** argv) {
   const int ncopies = 6;
   Bench b;
   b.init(ncopies);
+  if (argc > 1 && std::string(argv[1]) == "wgmma") return wgmma_mode(b, ncopies, bw) ? 0 : 1;
   if (argc > 4 && std::string(argv[1]) == "profile") {
-    // `profile T tile act8`: three eager base launches of one configuration (for ncu).
+    // `profile T tile act8 [wgmma]`: three eager base launches of one configuration (for ncu).
     Version v = kV2;
     const int T = std::atoi(argv[2]);
     v.tile = std::atoi(argv[3]);
     v.act8 = std::atoi(argv[4]);
+    if (argc > 5) v.wgmma = std::atoi(argv[5]);
     for (int i = 0; i < 3; ++i) b.launch(nullptr, i % ncopies, T, v, 0);
     MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
     std::printf("profiled T=%d tile=%d act8=%d\n", T, v.tile, v.act8);
@@ -377,51 +492,7 @@ int main(int argc, char** argv) {
 
   }  // !regimes_only
 
-  // ---- Prefill-shaped (compute-bound; one copy: the weights are re-read by many tiles anyway).
-  std::printf("\nprefill (base, v2, one weight copy): T | regime | us | TFLOP/s (2*T*k*3*H*I)\n");
-  {
-    MoeShape ps{8192, kK, kE, kH, kI, /*fp8_activations=*/true};
-    DeviceArray<uint8_t> pws(moe_workspace_bytes(ps, nullptr));
-    MoeWorkspace w2 = moe_workspace_carve(pws.get(), ps, nullptr);
-    DeviceArray<uint16_t> px(static_cast<size_t>(8192) * kH), pout(static_cast<size_t>(8192) * kH);
-    DeviceArray<float> plog(static_cast<size_t>(8192) * kE), pw(static_cast<size_t>(8192) * kK);
-    DeviceArray<int32_t> pids(static_cast<size_t>(8192) * kK);
-    {
-      FastRng r(7);
-      std::vector<uint16_t> xb(px.size());
-      for (auto& v : xb) v = f32_to_bf16(r.normal());
-      std::vector<float> lg(plog.size());
-      for (auto& v : lg) v = 2.0f * r.normal();
-      px.upload(xb);
-      plog.upload(lg);
-    }
-    for (int T : {1024, 2048, 8192})
-    for (int a8 = 0; a8 < 2; ++a8) {
-      auto run = [&](cudaStream_t s, int) {
-        MoeForwardArgs a;
-        a.T = T;
-        a.x = reinterpret_cast<const bf16*>(px.get());
-        a.ldx = kH;
-        a.logits = plog.get();
-        a.router.renormalize = true;
-        a.ids = pids.get();
-        a.weights = pw.get();
-        a.w_gate_up = b.copies[0].ex.gu.get();
-        a.s_gate_up = b.copies[0].ex.gu_s.get();
-        a.w_down = b.copies[0].ex.d.get();
-        a.s_down = b.copies[0].ex.d_s.get();
-        a.shape = ps;
-        a.out = reinterpret_cast<bf16*>(pout.get());
-        a.ldo = kH;
-        a.tuning = moe_tuning(a);
-        a.tuning->act_fp8 = a8 == 1;
-        moe_forward(a, w2, MoeStreams{s});
-      };
-      const double us = time_graph_us(run, 1, 10);
-      std::printf("%5d | %s | %8.1f | %6.1f\n", T, a8 ? "W8A8 " : "W8A16", us,
-                  2.0 * T * kK * 3.0 * kH * kI / (us * 1e-6) / 1e12);
-    }
-  }
+  prefill_table(b);
 
   std::printf("\nMoE layer, Qwen3-30B-A3B shapes, FP8 experts, graph replay, median; floor = touched bytes / %.0f GB/s\n", bw);
   std::printf("%4s %6s %6s | %6s %6s %6s | %6s %6s %6s %6s | %6s %6s %6s %6s\n", "T", "D", "floor", "v1", "v2",

@@ -9,11 +9,15 @@
 #   sanitize compute-sanitizer memcheck over the sampling op tests and one verify
 #   moe      the MoE workbench (checks, FP8 regime x tile sweep, prefill) and an ncu profile of
 #            the grouped GEMMs at 256 tokens in both regimes
+#   wgmma    the Hopper grouped GEMM (TMA + wgmma) against the CPU and mma.sync, both timed per
+#            tile and batch, prefill; an ncu profile of it at 256 tokens
+#   moeops   the MoE op-suite cases only (every kernel of the MoE layer vs the CPU reference)
 #   moefull  the whole MoE workbench (every table of bench/RESULTS.md's MoE section)
 #   sampler  the sampling op tests and the sampler workbench (cluster size x rows x logits)
 #   nvfp4refs the float64 Hugging Face references of the NVFP4 fixtures (python3 with torch,
-#            transformers 5.17, peft 0.21: the H200 machine has them), copied to $OUT/fixtures to
-#            be committed; run it before verify so that verify covers the NVFP4 checkpoints
+#            transformers 5.17, peft 0.21: the H200 machine has them), archived to
+#            $OUT/nvfp4_fixtures.tar to be committed; run it before verify so that verify covers
+#            the NVFP4 checkpoints
 # SERVE_CONC (default "1 16 64 256") lists the concurrencies of the random-weight serving runs.
 set -uo pipefail
 export LD_LIBRARY_PATH=$PWD/.device/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -28,10 +32,9 @@ for stage in $stages; do
     echo "== NVFP4 fixture references"
     timeout 240 python3 scripts/make_nvfp4_fixtures.py references tests/fixtures > $out/nvfp4_refs.log 2>&1
     echo "exit $?"; tail -4 $out/nvfp4_refs.log
-    for a in qwen3moe mixtral deepseekv3; do
-      mkdir -p $out/fixtures/$a
-      cp tests/fixtures/$a/cases.json tests/fixtures/$a/expected-nvfp4.safetensors $out/fixtures/$a/ 2>/dev/null
-    done ;;
+    # One archive (the device tool brings back a limited number of files per call).
+    tar -cf $out/nvfp4_fixtures.tar tests/fixtures/*/cases.json tests/fixtures/*/expected-nvfp4.safetensors
+    tar -tf $out/nvfp4_fixtures.tar ;;
   ops)
     echo "== op suite"
     timeout 300 ./.device/moelora_op_suite --gtest_brief=1 > $out/op_suite.log 2>&1; echo "exit $?"
@@ -103,6 +106,23 @@ for stage in $stages; do
     echo "== sampler workbench"
     timeout 240 ./.device/dev_sampling > $out/sampling_bench.log 2>&1; echo "exit $?"
     cat $out/sampling_bench.log ;;
+  wgmma)
+    echo "== MoE workbench (wgmma)"
+    timeout 300 ./.device/dev_moe_bench wgmma > $out/moe_bench_wgmma.log 2>&1; echo "exit $?"
+    grep -v "^T=" $out/moe_bench_wgmma.log
+    if command -v ncu >/dev/null; then
+      for tl in ${NCU_TILES:-2}; do
+        timeout 120 ncu -k regex:moe_gemm_wgmma_kernel --launch-skip 2 --launch-count 2 --section SpeedOfLight \
+          --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+          ./.device/dev_moe_bench profile 256 $tl 0 1 > $out/ncu_wgmma_T256_tile$tl.log 2>&1; echo "ncu tile=$tl exit $?"
+        grep -E "Duration|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Achieved Occupancy|Registers Per|Stall|Shared Memory Configuration Size" \
+          $out/ncu_wgmma_T256_tile$tl.log | head -24
+      done
+    fi ;;
+  moeops)
+    echo "== op suite, MoE cases"
+    timeout 300 ./.device/moelora_op_suite --gtest_brief=1 --gtest_filter='Moe*' > $out/op_suite_moe.log 2>&1; echo "exit $?"
+    grep -E "FAILED|PASSED|Failure" $out/op_suite_moe.log | head -30; tail -3 $out/op_suite_moe.log ;;
   moefull)
     echo "== MoE workbench (full)"
     timeout 500 ./.device/dev_moe_bench > $out/moe_bench.log 2>&1; echo "exit $?"

@@ -69,5 +69,29 @@ TEST(MoeChoices, Fp8ActivationsOnlyWhenAllowedAndOnlyWhereTheyWereFaster) {
   EXPECT_FALSE(choose_moe_tuning(p).act_fp8);
 }
 
+TEST(MoeChoices, TheWgmmaGemmOnlyWhereItMeasuredFaster) {
+  MoeProblem p{.T = 256, .k = 8, .E = 128, .H = 2048, .I = 768};  // 16 tokens per expert
+  MoeTuning t = choose_moe_tuning(p);
+  EXPECT_TRUE(t.wgmma);
+  EXPECT_EQ(t.tile, MoeGemmTile::kDecode32);
+  for (int T : {1, 16, 64, 128, 512, 8192}) {  // mma.sync measured faster at each of these
+    p.T = T;
+    EXPECT_FALSE(choose_moe_tuning(p).wgmma) << T;
+  }
+  p.T = 256;
+  p.fp8_experts = false;  // bf16 experts: the wgmma GEMM dequantises FP8 only
+  EXPECT_FALSE(choose_moe_tuning(p).wgmma);
+  p.fp8_experts = true;
+  p.allow_fp8_activations = true;  // W8A8 runs on mma.sync
+  t = choose_moe_tuning(p);
+  EXPECT_FALSE(t.wgmma);
+  EXPECT_TRUE(t.act_fp8);
+  p.allow_fp8_activations = false;
+  p.H = 2048 + 64;  // K in whole 128-wide scale blocks only
+  EXPECT_FALSE(choose_moe_tuning(p).wgmma);
+  EXPECT_FALSE(moe_wgmma_shape_ok(2048, 768 + 64));
+  EXPECT_TRUE(moe_wgmma_shape_ok(7168, 2048));  // DeepSeek-V3
+}
+
 }  // namespace
 }  // namespace moelora::cuda_plan

@@ -38,6 +38,7 @@ struct MoeCase {
   bool two_streams = true, pdl = true, fuse = true, graph = false;
   bool lora_fused = false;        // moe_lora_fused instead of shrink + expand
   int act8 = -1;                  // FP8 experts: -1 the heuristic's regime, 0 W8A16, 1 W8A8
+  int wgmma = -1;                 // -1 the heuristic's GEMM kernel, 0 mma.sync, 1 TMA + wgmma (Hopper)
 
   std::string name() const {
     std::string n = slots ? "MOE_LORA(" : "MOE(";
@@ -61,6 +62,7 @@ struct MoeCase {
     if (graph) n += ",graph";
     if (lora_fused) n += ",fused_lora";
     if (act8 >= 0) n += act8 ? ",w8a8" : ",w8a16";
+    if (wgmma >= 0) n += wgmma ? ",wgmma" : ",mma_sync";
     return n + ")";
   }
 };
@@ -198,6 +200,10 @@ struct Harness {
     if (c.tile >= 0) a.tuning->tile = static_cast<cuda::MoeGemmTile>(c.tile);
     a.tuning->lora_fused = c.lora_fused;
     if (c.act8 >= 0) a.tuning->act_fp8 = c.act8 == 1;
+    if (c.wgmma >= 0)
+      a.tuning->wgmma = c.wgmma == 1;
+    else if (a.tuning->act_fp8)
+      a.tuning->wgmma = false;  // a forced W8A8 case: the wgmma GEMM takes W8A16 only
     return a;
   }
   cuda::MoeStreams streams() {
@@ -401,6 +407,26 @@ std::vector<MoeCase> moe_cases() {
   { MoeCase c = with_lora(base(64, 128, 8, 256, 128), 8, {16}); c.graph = true; c.share = 9; v.push_back(c); }
   { MoeCase c = base(2, 128, 8, 256, 128); c.graph = true; v.push_back(c); }
   { MoeCase c = with_lora(base(48, 8, 2, 256, 192), 4, {16}); c.graph = true; c.act8 = 1; c.tile = 1; v.push_back(c); }
+  // The Hopper grouped GEMM (TMA weight ring + wgmma; H and I multiples of 128): every tile,
+  // partial and padded tiles, one expert with every token, sentinel ids, LoRA deltas before
+  // SwiGLU, Qwen3 shapes, graph replay.
+  for (int t = 0; t < 4; ++t) {
+    MoeCase c = base(100, 8, 2, 256, 128);
+    c.tile = t;
+    c.wgmma = 1;
+    v.push_back(c);
+  }
+  for (int T : {1, 5}) { MoeCase c = base(T, 8, 2, 128, 256); c.wgmma = 1; c.tile = 0; v.push_back(c); }
+  { MoeCase c = base(40, 8, 2, 128, 256); c.route = kOneExpert; c.tile = 3; c.wgmma = 1; v.push_back(c); }
+  { MoeCase c = base(19, 8, 2, 256, 128); c.route = kSentinel; c.tile = 1; c.wgmma = 1; v.push_back(c); }
+  { MoeCase c = base(24, 8, 2, 256, 128); c.route = kHalfEmpty; c.tile = 2; c.wgmma = 1; v.push_back(c); }
+  { MoeCase c = with_lora(base(24, 8, 2, 256, 256), 4, {1, 16, 128, 5}); c.wgmma = 1; c.tile = 1; v.push_back(c); }
+  { MoeCase c = base(3, 128, 8, 2048, 768); c.wgmma = 1; c.tile = 0; v.push_back(c); }
+  { MoeCase c = base(128, 128, 8, 2048, 768); c.wgmma = 1; c.tile = 1; v.push_back(c); }
+  { MoeCase c = with_lora(base(40, 128, 8, 2048, 768), 8, {16, 64}); c.wgmma = 1; c.tile = 2; v.push_back(c); }
+  { MoeCase c = with_lora(base(256, 128, 8, 256, 128), 8, {16, 32, 8, 128}); c.wgmma = 1; c.tile = 2; v.push_back(c); }
+  { MoeCase c = with_lora(base(64, 128, 8, 256, 128), 8, {16}); c.graph = true; c.wgmma = 1; c.tile = 1; v.push_back(c); }
+  { MoeCase c = base(512, 8, 2, 256, 256); c.wgmma = 1; c.tile = 3; v.push_back(c); }
   // The fused LoRA kernel (shrink + expand in one launch) on the LoRA families above.
   std::vector<MoeCase> fused;
   for (const MoeCase& c : v)
@@ -431,6 +457,8 @@ std::vector<MoeCase> moe_sanitize_cases() {
   { MoeCase c = with_lora(base(7, 8, 2, 128, 192), 3, {1, 16, 128}); c.share = 9; c.lora_fused = true; v.push_back(c); }
   { MoeCase c = with_lora(base(21, 8, 2, 128, 192), 3, {16}); c.act8 = 1; c.tile = 1; v.push_back(c); }
   { MoeCase c = base(70, 8, 2, 256, 128); c.act8 = 1; c.tile = 3; v.push_back(c); }
+  { MoeCase c = with_lora(base(21, 8, 2, 256, 128), 3, {16}); c.wgmma = 1; c.tile = 1; v.push_back(c); }
+  { MoeCase c = base(9, 8, 2, 128, 256); c.route = kSentinel; c.wgmma = 1; c.tile = 0; v.push_back(c); }
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(MoeSanitize, MoeLayer, ::testing::ValuesIn(moe_sanitize_cases()), moe_test_name);

@@ -35,6 +35,8 @@ MoeGemmTile choose_moe_gemm_tile(int T, int k, int E, int H, int I) {
   return MoeGemmTile::kPrefill64;
 }
 
+bool moe_wgmma_shape_ok(int H, int I) { return H > 0 && I > 0 && H % 128 == 0 && I % 128 == 0; }
+
 MoeTuning choose_moe_tuning(const MoeProblem& p) {
   MoeTuning t;
   t.tile = choose_moe_gemm_tile(p.T, p.k, p.E, p.H, p.I);
@@ -51,10 +53,20 @@ MoeTuning choose_moe_tuning(const MoeProblem& p) {
   // W8A8 lost on the prefill tile (T = 8192: 3455 -> 3656). Not the default: on the fixtures' FP8
   // checkpoints it moves the per-checkpoint median row error of `verify --backend cuda` from ~8e-3
   // to 2.1-2.7e-2, over the bf16 paths' 2e-2 bound (docs/numerics.md).
+  const double per_expert = static_cast<double>(p.T) * p.k / std::max(p.E, 1);
   if (p.allow_fp8_activations) {
-    const double per_expert = static_cast<double>(p.T) * p.k / std::max(p.E, 1);
     if (per_expert > 1.5 && per_expert <= 24.0) t.tile = MoeGemmTile::kDecode16;
     t.act_fp8 = t.tile == MoeGemmTile::kDecode16 || t.tile == MoeGemmTile::kDecode32;
+  }
+  // The TMA + wgmma grouped GEMM (W8A16, FP8 experts). H200, `dev_moe_bench wgmma` run 3
+  // (2026-12-04, base layer at Qwen3-30B-A3B shapes, best tile of each kernel, us): T = 1 28.5
+  // (mma.sync) vs 40.2 (wgmma); 16: 146.4 vs 177.3; 64: 220.3 vs 255.3; 128: 253.8 vs 283.6;
+  // 256 (16 tokens per expert): 354.3 (16-row tile) vs 347.4 (wgmma, 32-row tile), with 8
+  // adapters 558.8 vs 540.2; prefill 8192 tokens: 3458 vs 4892. So only around 16 tokens per
+  // expert; the window's edges (12, 24] are the midpoints to the measured losses at 8 and 32+.
+  if (p.fp8_experts && !t.act_fp8 && moe_wgmma_shape_ok(p.H, p.I) && per_expert > 12.0 && per_expert <= 24.0) {
+    t.wgmma = true;
+    t.tile = MoeGemmTile::kDecode32;
   }
   return t;
 }

@@ -24,6 +24,7 @@ struct MoeProblem {
   bool has_logits = true;  // routing runs in the layer (else ids/weights are given)
   // The operator allows W8A8 for FP8 experts (--moe-fp8-activations); off: W8A16 everywhere.
   bool allow_fp8_activations = false;
+  bool fp8_experts = true;  // FP8 block-scaled experts (else bf16)
 };
 
 struct MoeTuning {
@@ -34,7 +35,13 @@ struct MoeTuning {
   // FP8 experts only: W8A8 (activations quantised per token per 128 channels, e4m3 MMA) instead
   // of W8A16 (exact bf16 activations, weights dequantised in registers). docs/numerics.md.
   bool act_fp8 = false;
+  // FP8 experts, W8A16 only: the Hopper grouped GEMM (TMA weight ring + wgmma, moe_gemm_wgmma.cu)
+  // instead of the mma.sync kernels. Needs moe_wgmma_shape_ok.
+  bool wgmma = false;
 };
+
+// Shapes the wgmma grouped GEMM takes: both GEMMs' K (H, I) in whole 128-wide scale blocks.
+bool moe_wgmma_shape_ok(int H, int I);
 
 // Tile for a batch of T tokens routed to k of E experts (expected tokens per expert T*k/E).
 MoeGemmTile choose_moe_gemm_tile(int T, int k, int E, int H, int I);

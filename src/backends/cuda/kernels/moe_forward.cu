@@ -117,7 +117,8 @@ cuda_plan::MoeTuning moe_tuning(const MoeForwardArgs& a) {
   const MoeShape& s = a.shape;
   return cuda_plan::choose_moe_tuning(
       cuda_plan::MoeProblem{.T = a.T, .k = s.k, .E = s.E, .H = s.H, .I = s.I, .has_logits = a.logits != nullptr,
-                            .allow_fp8_activations = a.allow_fp8_activations});
+                            .allow_fp8_activations = a.allow_fp8_activations,
+                            .fp8_experts = a.wtype == MoeWeightType::kFp8});
 }
 
 void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStreams& st) {
@@ -246,12 +247,16 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   g.w_scale = a.s_gate_up;
   g.x = a.x;
   g.ldx = a.ldx;
+  g.x_rows = a.T;
   g.tile_pairs = ws.tile_pairs;
   g.align_tile_rows = al.tile_rows;
   g.tiles = ws.tiles;
   g.counters = ws.counters;
   g.max_tiles = moe_max_tiles(P, s.E, moe_gemm_tile_rows(tile));
   g.act_fp8 = act_fp8;
+  g.wgmma = tune.wgmma;
+  MOELORA_CHECK_MSG(!g.wgmma || (a.wtype == MoeWeightType::kFp8 && !act_fp8 && cuda_plan::moe_wgmma_shape_ok(s.H, s.I)),
+                    "MoeTuning::wgmma chosen for a problem it does not take");
   g.xq = ws.xq;
   g.ldxq = s.H;
   g.xs = ws.xs;
@@ -311,6 +316,7 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   d.w_scale = a.s_down;
   d.x = ws.act;
   d.ldx = s.I;
+  d.x_rows = static_cast<int>(P);
   d.xq = ws.aq;
   d.ldxq = s.I;
   d.xs = ws.as;

@@ -509,8 +509,18 @@ __global__ void __launch_bounds__(kReduceThreads) moe_reduce_kernel(const __grid
 
 }  // namespace
 
-void moe_gate_up(const MoeGemmParams& p, cudaStream_t stream) { dispatch<true>(p, stream); }
-void moe_down(const MoeGemmParams& p, cudaStream_t stream) { dispatch<false>(p, stream); }
+void moe_gate_up(const MoeGemmParams& p, cudaStream_t stream) {
+  if (p.wgmma)
+    moe_gate_up_wgmma(p, stream);
+  else
+    dispatch<true>(p, stream);
+}
+void moe_down(const MoeGemmParams& p, cudaStream_t stream) {
+  if (p.wgmma)
+    moe_down_wgmma(p, stream);
+  else
+    dispatch<false>(p, stream);
+}
 
 void moe_reduce(const MoeReduceParams& p, cudaStream_t stream) {
   MOELORA_CHECK(p.H % 4 == 0 && p.ldo % 4 == 0 && p.k >= 1 && p.y && p.ids && p.weights && p.out);
@@ -534,6 +544,7 @@ static void init_all_variants() {
   MOE_INIT(kDecode32)
   MOE_INIT(kPrefill64)
 #undef MOE_INIT
+  moe_gemm_wgmma_init();
 }
 
 void moe_gemm_init() {

@@ -43,6 +43,7 @@ struct MoeGemmParams {
   const float* w_scale = nullptr;   // FP8 only
   const bf16* x = nullptr;          // gate_up: hidden [T, H] (row p / top_k); down: act [P, I] (row p)
   int64_t ldx = 0;                  // elements
+  int x_rows = 0;                   // rows of x (gate_up: tokens T; down: pairs P): the wgmma path's bounds
   // W8A8 (FP8 weights only): the same rows quantised per token per 128 channels
   // (launch_fp8_quant_per_token, token-major scales); the kernel then multiplies e4m3 x e4m3 and
   // reads neither x nor ldx.
@@ -63,6 +64,10 @@ struct MoeGemmParams {
   // down epilogue
   float* y = nullptr;                // [P, H]
   bool pdl = false;
+  // Hopper path (moe_gemm_wgmma.cu: TMA weight ring, warpgroup MMAs, producer warp) instead of the
+  // mma.sync kernels; cuda_plan::choose_moe_tuning decides. FP8 weights, bf16 activations, H and I
+  // multiples of 128 (cuda_plan::moe_wgmma_shape_ok).
+  bool wgmma = false;
   // Down only: the launch directly follows moe_gate_up, both with PDL, and moe_align precedes
   // gate_up: the kernel may then read the tiles and prefetch its first weights before waiting.
   bool early_prefetch = false;
@@ -70,6 +75,10 @@ struct MoeGemmParams {
 
 void moe_gate_up(const MoeGemmParams& p, cudaStream_t stream);
 void moe_down(const MoeGemmParams& p, cudaStream_t stream);
+// The Hopper path on its own (moe_gate_up / moe_down call it when p.wgmma).
+void moe_gate_up_wgmma(const MoeGemmParams& p, cudaStream_t stream);
+void moe_down_wgmma(const MoeGemmParams& p, cudaStream_t stream);
+void moe_gemm_wgmma_init();
 
 struct MoeReduceParams {
   const float* y = nullptr;           // [P, H]

@@ -1,0 +1,497 @@
+// Grouped expert GEMMs on Hopper's asynchronous machinery (sm_90a): FP8 weights streamed by the
+// tensor-memory accelerator (TMA) into a shared-memory ring, bf16 tensor-core MMAs issued by a
+// warpgroup (wgmma), a producer warp that runs ahead across work items. Same math, layouts and
+// work items as moe_gemm.cu's W8A16 path (see moe_gemm.cuh), chosen on the host
+// (cuda_plan::choose_moe_tuning, MoeTuning::wgmma).
+//
+// Why: the mma.sync kernels measured latency-bound on the H200 (ncu at 256 tokens: 32 % of DRAM
+// bandwidth, the integer pipe busiest with per-thread cp.async address math, each item's pipeline
+// filled and drained on its own). Here one thread issues a whole 64 x 128 weight tile per stage,
+// and the ring runs continuously from one item to the next, so the bytes in flight per SM never
+// drop to zero at item boundaries.
+//
+// CTA = two consumer warpgroups (warps 0-7) + one producer warp (warp 8).
+//  - Work item = (token tile of BN rows of one expert) x (128 weight rows): down rows n0..n0+127
+//    of H (warpgroup w takes rows 64w..64w+63); gate_up the 64 gate rows f0..f0+63 (warpgroup 0)
+//    and the 64 up rows of the same features (warpgroup 1), so SwiGLU happens in the epilogue.
+//    Both warpgroups read the same token tile: half the token bytes per weight byte of a 64-row
+//    item (the first version, with one warpgroup, measured slower than mma.sync at every batch).
+//    Items are strided over a persistent grid as in moe_gemm.cu.
+//  - Stage = one 128-wide K chunk (= one FP8 scale block): A = 128 x 128 FP8 bytes by TMA, B = the
+//    tile's BN token rows x 128 bf16, one TMA box per row and 64-wide half (a gather: rows come
+//    from the tile's pair list), both in the 128-byte swizzle (the TMA swizzles by shared-memory
+//    address bits, so a one-row box at row offset r lands exactly where a whole-tile box would
+//    put row r). Padding rows of a tile load row 0: their MMA columns are never stored.
+//  - The consumer dequantises its A fragments exactly to bf16 in registers (e4m3 -> bf16 is exact),
+//    runs 8 wgmma m64nBNk16 steps into a fresh f32 partial, and adds partial x block scale to the
+//    f32 accumulator: the same per-block f32 scaling as the CPU reference (docs/numerics.md).
+//  - Synchronisation: full[s] completes when all the stage's TMA bytes have landed (one
+//    expect_tx); empty[s] when the 8 consumer warps are done with it. Only the async proxy writes
+//    shared memory that wgmma reads: no proxy fences. (The first version gathered the token rows
+//    with cp.async and made the producer wait for them before publishing a stage: it ran one L2
+//    round trip per stage behind.)
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
+
+#include "backends/cuda/kernels/moe_align.cuh"
+#include "backends/cuda/kernels/moe_gemm.cuh"
+
+namespace moelora::cuda {
+namespace {
+
+using namespace moe_detail;
+
+constexpr int kRowsPerItem = 128;  // weight rows per item: two m64 wgmmas, one per warpgroup
+constexpr int kKChunk = 128;       // K per stage (FP8 bytes): one 128 x 128 scale block column
+constexpr int kConsumerWarps = 8;  // two warpgroups
+constexpr int kConsumers = kConsumerWarps * 32;
+constexpr int kThreads = kConsumers + 32;
+constexpr int kABytes = kRowsPerItem * kKChunk;  // FP8 weight tile of a stage
+
+template <int BN>
+struct WgCfg {
+  static_assert(BN == 8 || BN == 16 || BN == 32 || BN == 64, "wgmma n of the token tile");
+  static constexpr int kBBytes = BN * kKChunk * 2;  // bf16 token tile: two 64-wide swizzle columns
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  // <= ~112 KB per CTA, so two CTAs share an SM (four warpgroups computing, 6-10 stages in
+  // flight); the 64-row tile (prefill) takes one CTA per SM with 3 stages.
+  static constexpr int kStages = BN == 8 ? 5 : BN == 16 ? 4 : 3;
+  static constexpr int kEpiStride = kRowsPerItem + 4;  // floats per token row: conflict-free stores
+  static constexpr int kEpiBytes = BN * kEpiStride * 4;
+  static constexpr int kBarBytes = 2 * kStages * 8;
+  // 1024 bytes of slack to align the ring to the 128-byte swizzle's 1024-byte atom.
+  static constexpr int kSmem = 1024 + kStages * kStageBytes + kEpiBytes + kBarBytes;
+  static_assert(kStageBytes % 1024 == 0, "stages keep the swizzle atoms aligned");
+};
+
+// ---- mbarrier, TMA, wgmma (PTX).
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+// Arrives on `bar` when every cp.async this thread issued before has completed (no wait here;
+// .noinc: the arrival counts against the count the barrier was initialised with).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// One 2-D box of `map` at (x = K byte offset, y = row) into `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int x, int y, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar))
+      : "memory");
+}
+
+// Matrix descriptor of a K-major operand in the 128-byte swizzle: rows of 128 bytes, 8-row atoms
+// 1024 bytes apart (stride byte offset); the leading byte offset is unused for this layout.
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t smem_addr) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// D(64 x BN, f32) (+)= A(64 x 16, bf16, registers) * B(16 x BN, bf16, shared memory, K-major).
+// The accumulator is overwritten when `accumulate` is 0.
+template <int BN>
+struct Wgmma;
+template <>
+struct Wgmma<8> {
+  __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint64_t desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  }
+};
+template <>
+struct Wgmma<16> {
+  __device__ __forceinline__ static void mma(float (&d)[8], const uint32_t (&a)[4], uint64_t desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, "
+        "1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  }
+};
+template <>
+struct Wgmma<32> {
+  __device__ __forceinline__ static void mma(float (&d)[16], const uint32_t (&a)[4], uint64_t desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+        "{%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  }
+};
+template <>
+struct Wgmma<64> {
+  __device__ __forceinline__ static void mma(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+  }
+};
+
+struct WgmmaParams {
+  CUtensorMap w_map;  // FP8 weights [E * rows_per_expert, K] bytes, box 128 x (128 down | 64 gate_up)
+  CUtensorMap x_map;  // bf16 token rows [x_rows, K] (row stride ldx), box 64 x 1
+  MoeGemmParams g;
+};
+
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory"); }
+
+template <int BN, bool GATE_UP>
+// At most 96 registers: two CTAs of 9 warps per SM, whose busiest SM sub-partition holds 5 warps
+// of its 16384 registers (ncu: 102 registers left room for one CTA only).
+__global__ void __maxnreg__(BN == 64 ? 168 : 96) moe_gemm_wgmma_kernel(const __grid_constant__ WgmmaParams wp) {
+  using C = WgCfg<BN>;
+  const MoeGemmParams& p = wp.g;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  float* epi = reinterpret_cast<float*>(ring + C::kStages * C::kStageBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(ring + C::kStages * C::kStageBytes + C::kEpiBytes);
+  uint64_t* empty = full + C::kStages;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int K = GATE_UP ? p.H : p.I;
+  const int nchunks = K / kKChunk;
+  const int nblocks = GATE_UP ? p.I / (kRowsPerItem / 2) : p.H / kRowsPerItem;
+
+  if (tid == 0) {
+    for (int s = 0; s < C::kStages; ++s) {
+      mbar_init(&full[s], 1 + 32);           // the weight TMA's expect_tx + 32 producer lanes' cp.async
+      mbar_init(&empty[s], kConsumerWarps);  // each consumer warp once done with the stage
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  pdl_wait();  // the tiles (moe_align) and, for down, act (moe_gate_up) come from predecessors
+  pdl_trigger();
+  const int num_tiles = p.counters[kMoeCntTiles];
+  const int num_items = num_tiles * nblocks;
+
+  if (warp == kConsumerWarps) {
+    // ---- Producer warp: weight tiles and the tile's token rows, all by TMA.
+    if (lane == 0) {
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&wp.w_map)) : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&wp.x_map)) : "memory");
+    }
+    const int rows_per_expert = GATE_UP ? 2 * p.I : p.H;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
+      const int tile = item % num_tiles, blk = item / num_tiles;
+      const int expert = p.tiles[tile].expert;
+      const int row0 = expert * rows_per_expert + blk * (GATE_UP ? kRowsPerItem / 2 : kRowsPerItem);
+      // x rows of token rows `lane` and `lane + 32` of the tile (-1: padding, zero-filled).
+      int xr[2] = {-1, -1};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = lane + 32 * h;
+        if (r < BN) {
+          const int pair = p.tile_pairs[tile * BN + r];
+          xr[h] = pair < 0 ? -1 : (GATE_UP ? pair / p.top_k : pair);
+        }
+      }
+      for (int c = 0; c < nchunks; ++c) {
+        mbar_wait(&empty[stage], phase ^ 1);
+        uint8_t* a_dst = ring + stage * C::kStageBytes;
+        uint8_t* b_dst = a_dst + kABytes;
+        if (lane == 0) {
+          mbar_arrive_expect_tx(&full[stage], kABytes);
+          if (GATE_UP) {
+            tma_load_2d(a_dst, &wp.w_map, c * kKChunk, row0, &full[stage]);                    // gate rows
+            tma_load_2d(a_dst + kABytes / 2, &wp.w_map, c * kKChunk, row0 + p.I, &full[stage]);  // up rows
+          } else {
+            tma_load_2d(a_dst, &wp.w_map, c * kKChunk, row0, &full[stage]);
+          }
+        }
+        // Token tile: BN rows x 16 pieces of 16 bytes (128 bf16); piece q of row r goes to swizzle
+        // column q / 8 at row r, 16-byte unit (q % 8) ^ (r % 8) (the 128-byte swizzle's rule).
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+          const int idx = lane + 32 * i, r = idx >> 4, q = idx & 15;
+          const int xrow = __shfl_sync(0xffffffffu, xr[(2 * i) >> 5], r & 31);  // r / 32 == 2i / 32
+          uint8_t* dst = b_dst + (q >> 3) * (BN * 128) + r * 128 + (((q & 7) ^ (r & 7)) << 4);
+          const bf16* src = xrow >= 0 ? p.x + static_cast<int64_t>(xrow) * p.ldx + c * kKChunk + q * 8 : p.x;
+          cp_async16(dst, src, xrow >= 0);
+        }
+        cp_async_mbar_arrive(&full[stage]);  // arrives once this lane's copies have landed
+        if (++stage == C::kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- Consumer warpgroups (warpgroup w = warps 4w..4w+3 owns A rows 64w..64w+63).
+  const int g = lane >> 2, c4 = lane & 3;
+  const int r0 = warp * 16 + g;  // this thread's A rows r0 and r0 + 8 of the item
+  const int sblocks_i = (p.I + 127) / 128;
+  const int scale_rows_per_expert = GATE_UP ? 2 * sblocks_i : (p.H + 127) / 128;
+  const int scale_cols = K / 128;
+  const uint32_t sel = (c4 & 1) ? 0x7632u : 0x5410u;  // bytes k = 2c, 2c+1 of two words
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
+    const int tile = item % num_tiles, blk = item / num_tiles;
+    const int expert = p.tiles[tile].expert;
+    // Scale row of this warp's 16 rows (gate_up: warpgroup 0 gate, 1 up).
+    int srow;
+    if (GATE_UP) {
+      const int f0 = blk * (kRowsPerItem / 2);
+      srow = (warp < 4 ? 0 : sblocks_i) + f0 / 128;
+    } else {
+      srow = blk * kRowsPerItem / 128;
+    }
+    const float* sptr = p.w_scale + (static_cast<int64_t>(expert) * scale_rows_per_expert + srow) * scale_cols;
+
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+    float sc_next = __ldg(sptr);
+    for (int c = 0; c < nchunks; ++c) {
+      const float sc = sc_next;
+      if (c + 1 < nchunks) sc_next = __ldg(sptr + c + 1);
+      mbar_wait(&full[stage], phase);
+      // The token rows were written by cp.async (generic proxy) and wgmma reads them through the
+      // async proxy: order the two (the weight bytes came by TMA, already in the async proxy).
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      const uint8_t* a_s = ring + stage * C::kStageBytes;
+      const uint32_t b_s = smem_u32(a_s + kABytes);
+      // A fragments of the 8 k16 steps, dequantised exactly: row r's 16-byte unit s sits at unit
+      // s ^ (r % 8) (r0 and r0 + 8 share r % 8 = g).
+      uint32_t afr[8][4];
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        const int unit = (s ^ g) << 4;
+        const uint4 u0 = *reinterpret_cast<const uint4*>(a_s + r0 * 128 + unit);
+        const uint4 u8 = *reinterpret_cast<const uint4*>(a_s + (r0 + 8) * 128 + unit);
+        const uint32_t w0 = __byte_perm((c4 >> 1) ? u0.y : u0.x, (c4 >> 1) ? u0.w : u0.z, sel);
+        const uint32_t w8 = __byte_perm((c4 >> 1) ? u8.y : u8.x, (c4 >> 1) ? u8.w : u8.z, sel);
+        fp8x4_to_bf16x4(w0, afr[s][0], afr[s][2]);  // row g: k 2c..2c+1 | 2c+8..2c+9
+        fp8x4_to_bf16x4(w8, afr[s][1], afr[s][3]);  // row g + 8
+      }
+      float part[BN / 2];
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) part[i] = 0.0f;  // overwritten (first step: accumulate = 0)
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < 8; ++s)
+        Wgmma<BN>::mma(part, afr[s], desc_sw128(b_s + (s >> 2) * (BN * 128) + (s & 3) * 32), s > 0);
+      wgmma_commit();
+      wgmma_wait0();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[stage]);
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] = fmaf(part[i], sc, acc[i]);
+      if (++stage == C::kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+
+    // ---- Epilogue through shared memory: epi[token][row].
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const int n = 8 * j + 2 * c4;
+      epi[n * C::kEpiStride + r0] = acc[4 * j + 0];
+      epi[(n + 1) * C::kEpiStride + r0] = acc[4 * j + 1];
+      epi[n * C::kEpiStride + r0 + 8] = acc[4 * j + 2];
+      epi[(n + 1) * C::kEpiStride + r0 + 8] = acc[4 * j + 3];
+    }
+    consumers_sync();
+    const int32_t* pairs = p.tile_pairs + tile * BN;
+    if (GATE_UP) {
+      const int f0 = blk * (kRowsPerItem / 2);
+      for (int idx = tid; idx < BN * 64; idx += kConsumers) {
+        const int f = idx & 63, m = idx >> 6;
+        const int pr = pairs[m];
+        if (pr < 0) continue;  // tile padding
+        float gs = epi[m * C::kEpiStride + f], us = epi[m * C::kEpiStride + 64 + f];
+        if (p.lora_delta) {
+          const bf16* d = p.lora_delta + static_cast<int64_t>(pr) * 2 * p.I + f0 + f;
+          gs += __bfloat162float(d[0]);
+          us += __bfloat162float(d[p.I]);
+        }
+        p.act[static_cast<int64_t>(pr) * p.I + f0 + f] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
+      }
+    } else {
+      const int n0 = blk * kRowsPerItem;
+      for (int idx = tid; idx < BN * kRowsPerItem; idx += kConsumers) {
+        const int r = idx & 127, m = idx >> 7;
+        const int pr = pairs[m];
+        if (pr < 0) continue;
+        p.y[static_cast<int64_t>(pr) * p.H + n0 + r] = epi[m * C::kEpiStride + r];
+      }
+    }
+    consumers_sync();  // epi is rewritten by the next item
+  }
+}
+
+// ---- Host side: tensor maps (cached per weight tensor) and launch.
+// Host helpers are plain functions, not lambdas (see moe_gemm.cu: nvcc and fmt inside lambdas).
+PFN_cuTensorMapEncodeTiled_v12000 lookup_encode_fn() {
+  void* f = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  MOELORA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
+  MOELORA_CHECK_MSG(f && q == cudaDriverEntryPointSuccess, "cuTensorMapEncodeTiled is not available from the driver");
+  return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+}
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = lookup_encode_fn();
+  return fn;
+}
+
+struct MapKey {
+  const void* base;
+  bool fp8;
+  int64_t cols, rows, stride;
+  int box_rows;
+  bool operator==(const MapKey& o) const {
+    return base == o.base && fp8 == o.fp8 && cols == o.cols && rows == o.rows && stride == o.stride &&
+           box_rows == o.box_rows;
+  }
+};
+struct MapKeyHash {
+  size_t operator()(const MapKey& k) const {
+    size_t h = std::hash<const void*>()(k.base);
+    for (int64_t v : {k.cols, k.rows, k.stride, static_cast<int64_t>(k.box_rows) * 2 + k.fp8})
+      h = h * 1000003u ^ std::hash<int64_t>()(v);
+    return h;
+  }
+};
+
+// Encodes a 2-D row-major map: `rows` rows of `cols` elements of `esize` bytes, `stride` bytes
+// apart, boxes of box_cols x box_rows in the 128-byte swizzle.
+CUtensorMap encode_map(const void* base, CUtensorMapDataType type, int64_t cols, int64_t rows, int64_t stride,
+                       int box_cols, int box_rows) {
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t estrides[2] = {1, 1};
+  const CUresult r = encode_fn()(&map, type, 2, const_cast<void*>(base), dims, strides, box, estrides,
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOELORA_CHECK_MSG(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed ({} x {}, stride {})", rows, cols, stride);
+  return map;
+}
+
+// Maps are pure functions of their key, so a cache hit is always right; the cache only saves the
+// host ~1 us per map in eager steps (graph replay bakes the maps into the graph). Bounded: the
+// keys are the weights (fixed) and the few scratch buffers activations live in.
+CUtensorMap cached_map(const void* base, bool fp8, int64_t cols, int64_t rows, int64_t stride, int box_rows) {
+  static std::mutex mu;
+  static std::unordered_map<MapKey, CUtensorMap, MapKeyHash> cache;
+  const MapKey key{base, fp8, cols, rows, stride, box_rows};
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  if (cache.size() > 4096) cache.clear();
+  const CUtensorMap map = fp8 ? encode_map(base, CU_TENSOR_MAP_DATA_TYPE_UINT8, cols, rows, stride, kKChunk, box_rows)
+                              : encode_map(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cols, rows, stride, 64, box_rows);
+  cache.emplace(key, map);
+  return map;
+}
+
+template <int BN, bool GU>
+int query_occupancy() {
+  using C = WgCfg<BN>;
+  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_wgmma_kernel<BN, GU>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
+  // All of the unified L1/shared storage as shared memory, so two CTAs fit (the default carveout
+  // gave these CTAs 102 KB per SM: one CTA).
+  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_wgmma_kernel<BN, GU>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          cudaSharedmemCarveoutMaxShared));
+  int o = 0;
+  MOELORA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, moe_gemm_wgmma_kernel<BN, GU>, kThreads, C::kSmem));
+  MOELORA_CHECK(o >= 1);
+  return o;
+}
+template <int BN, bool GU>
+int occupancy_of() {
+  static const int occ = query_occupancy<BN, GU>();
+  return occ;
+}
+
+template <int BN, bool GU>
+void launch(const MoeGemmParams& p, cudaStream_t stream) {
+  WgmmaParams wp;
+  wp.g = p;
+  const int64_t rows = static_cast<int64_t>(p.E) * (GU ? 2 * p.I : p.H);
+  const int K = GU ? p.H : p.I;
+  wp.w_map = cached_map(p.w, /*fp8=*/true, K, rows, K, GU ? kRowsPerItem / 2 : kRowsPerItem);
+  wp.x_map = cached_map(p.x, /*fp8=*/false, K, p.x_rows, p.ldx * 2, 1);
+  const int nblocks = GU ? p.I / (kRowsPerItem / 2) : p.H / kRowsPerItem;
+  const int64_t max_items = static_cast<int64_t>(p.max_tiles) * nblocks;
+  const int grid = static_cast<int>(std::min<int64_t>(max_items, static_cast<int64_t>(moe_num_sms()) * occupancy_of<BN, GU>()));
+  if (grid <= 0) return;
+  moe_launch(moe_gemm_wgmma_kernel<BN, GU>, dim3(grid), dim3(kThreads), WgCfg<BN>::kSmem, stream, p.pdl, wp);
+}
+
+template <bool GU>
+void dispatch(const MoeGemmParams& p, cudaStream_t stream) {
+  MOELORA_CHECK_MSG(cuda_plan::moe_wgmma_shape_ok(p.H, p.I), "the wgmma MoE GEMM needs H and I multiples of 128");
+  MOELORA_CHECK_MSG(p.wtype == MoeWeightType::kFp8 && !p.act_fp8, "the wgmma MoE GEMM takes FP8 weights, bf16 activations");
+  MOELORA_CHECK(p.x && p.ldx % 8 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0 && p.x_rows >= 1);
+  MOELORA_CHECK((reinterpret_cast<uintptr_t>(p.w) & 15) == 0 && p.w_scale && p.tile_pairs && p.tiles && p.counters);
+  MOELORA_CHECK(p.align_tile_rows == moe_gemm_tile_rows(p.tile));
+  MOELORA_CHECK(GU ? (p.act && p.top_k >= 1) : (p.y != nullptr));
+  switch (p.tile) {
+    case MoeGemmTile::kDecode8: launch<8, GU>(p, stream); break;
+    case MoeGemmTile::kDecode16: launch<16, GU>(p, stream); break;
+    case MoeGemmTile::kDecode32: launch<32, GU>(p, stream); break;
+    case MoeGemmTile::kPrefill64: launch<64, GU>(p, stream); break;
+  }
+}
+
+}  // namespace
+
+void moe_gate_up_wgmma(const MoeGemmParams& p, cudaStream_t stream) { dispatch<true>(p, stream); }
+void moe_down_wgmma(const MoeGemmParams& p, cudaStream_t stream) { dispatch<false>(p, stream); }
+
+void moe_gemm_wgmma_init() {
+  encode_fn();  // the driver entry point, looked up before any graph capture
+  occupancy_of<8, true>(), occupancy_of<8, false>();
+  occupancy_of<16, true>(), occupancy_of<16, false>();
+  occupancy_of<32, true>(), occupancy_of<32, false>();
+  occupancy_of<64, true>(), occupancy_of<64, false>();
+}
+
+}  // namespace moelora::cuda
