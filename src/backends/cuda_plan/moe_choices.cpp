@@ -58,12 +58,12 @@ MoeTuning choose_moe_tuning(const MoeProblem& p) {
     if (per_expert > 1.5 && per_expert <= 24.0) t.tile = MoeGemmTile::kDecode16;
     t.act_fp8 = t.tile == MoeGemmTile::kDecode16 || t.tile == MoeGemmTile::kDecode32;
   }
-  // The TMA + wgmma grouped GEMM (W8A16, FP8 experts). H200, `dev_moe_bench wgmma` run 3
+  // The TMA + wgmma grouped GEMM (W8A16, FP8 experts). H200, `dev_moe_bench wgmma` run 4
   // (2026-12-04, base layer at Qwen3-30B-A3B shapes, best tile of each kernel, us): T = 1 28.5
-  // (mma.sync) vs 40.2 (wgmma); 16: 146.4 vs 177.3; 64: 220.3 vs 255.3; 128: 253.8 vs 283.6;
-  // 256 (16 tokens per expert): 354.3 (16-row tile) vs 347.4 (wgmma, 32-row tile), with 8
-  // adapters 558.8 vs 540.2; prefill 8192 tokens: 3458 vs 4892. So only around 16 tokens per
-  // expert; the window's edges (12, 24] are the midpoints to the measured losses at 8 and 32+.
+  // (mma.sync) vs 36.7 (wgmma); 16: 147.0 vs 161.9; 64: 222.1 vs 232.0; 128: 259.2 vs 260.7;
+  // 256 (16 tokens per expert): 357.8 (16-row tile) vs 344.9 (wgmma, 32-row tile), with 8
+  // adapters 554.8 vs 536.8; prefill 8192 tokens: 3444 vs 4522. So only around 16 tokens per
+  // expert; the window's edges (12, 24] sit between that win and the tie at 8 / losses from 32.
   if (p.fp8_experts && !t.act_fp8 && moe_wgmma_shape_ok(p.H, p.I) && per_expert > 12.0 && per_expert <= 24.0) {
     t.wgmma = true;
     t.tile = MoeGemmTile::kDecode32;

@@ -295,26 +295,25 @@ __global__ void __maxnreg__(BN == 64 ? 168 : 96) moe_gemm_wgmma_kernel(const __g
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       const uint8_t* a_s = ring + stage * C::kStageBytes;
       const uint32_t b_s = smem_u32(a_s + kABytes);
-      // A fragments of the 8 k16 steps, dequantised exactly: row r's 16-byte unit s sits at unit
+      // A fragments, dequantised exactly: row r's 16-byte unit s sits at unit
       // s ^ (r % 8) (r0 and r0 + 8 share r % 8 = g).
-      uint32_t afr[8][4];
-#pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        const int unit = (s ^ g) << 4;
-        const uint4 u0 = *reinterpret_cast<const uint4*>(a_s + r0 * 128 + unit);
-        const uint4 u8 = *reinterpret_cast<const uint4*>(a_s + (r0 + 8) * 128 + unit);
-        const uint32_t w0 = __byte_perm((c4 >> 1) ? u0.y : u0.x, (c4 >> 1) ? u0.w : u0.z, sel);
-        const uint32_t w8 = __byte_perm((c4 >> 1) ? u8.y : u8.x, (c4 >> 1) ? u8.w : u8.z, sel);
-        fp8x4_to_bf16x4(w0, afr[s][0], afr[s][2]);  // row g: k 2c..2c+1 | 2c+8..2c+9
-        fp8x4_to_bf16x4(w8, afr[s][1], afr[s][3]);  // row g + 8
-      }
+      // Each k16 step's A fragment is decoded right before its wgmma is issued, so decoding step
+      // s + 1 overlaps step s on the tensor cores (run 3 decoded all 8 first, then issued).
       float part[BN / 2];
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) part[i] = 0.0f;  // overwritten (first step: accumulate = 0)
-      wgmma_fence();
+      const int wsel = c4 >> 1;
 #pragma unroll
-      for (int s = 0; s < 8; ++s)
-        Wgmma<BN>::mma(part, afr[s], desc_sw128(b_s + (s >> 2) * (BN * 128) + (s & 3) * 32), s > 0);
+      for (int s = 0; s < 8; ++s) {
+        const int unit = (s ^ g) << 4;
+        const uint32_t* q0 = reinterpret_cast<const uint32_t*>(a_s + r0 * 128 + unit);
+        const uint32_t* q8 = reinterpret_cast<const uint32_t*>(a_s + (r0 + 8) * 128 + unit);
+        uint32_t afr[4];
+        fp8x4_to_bf16x4(__byte_perm(q0[wsel], q0[2 + wsel], sel), afr[0], afr[2]);  // row g: k 2c, 2c+1 | 2c+8, 2c+9
+        fp8x4_to_bf16x4(__byte_perm(q8[wsel], q8[2 + wsel], sel), afr[1], afr[3]);  // row g + 8
+        wgmma_fence();
+        Wgmma<BN>::mma(part, afr, desc_sw128(b_s + (s >> 2) * (BN * 128) + (s & 3) * 32), s > 0);
+      }
       wgmma_commit();
       wgmma_wait0();
       __syncwarp();
