@@ -67,7 +67,7 @@ struct AdapterLoadOptions {
   std::string root;
   // The dtype the backend's adapter slots take (Backend::lora_dtype: f32 on the CPU, bf16 on
   // CUDA). Factors are built in f32 (scale folded into B) and converted once, here, on the
-  // loading thread: placing an adapter in a slot is then a plain copy on the engine thread (the
+  // loading thread: placing an adapter in a slot is then a plain copy on the slot pool's worker (the
   // per-element conversion ran there before: a Qwen3-30B-A3B r16 adapter on every target holds
   // ~845M values, 630M of them in the expert factors),
   // and the host copy of a bf16 backend's adapter is half the size.

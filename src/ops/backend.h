@@ -17,6 +17,8 @@
 
 namespace moelora {
 
+class LoraPlacement;
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -69,6 +71,16 @@ class Backend {
     int gu_rank = 0, d_rank = 0;
   };
   virtual void set_moe_lora_slot(MoeLoraTable& t, int slot, const MoeLoraSlot& s) = 0;
+  // Placing an adapter in a slot off the engine thread (lora/slot_pool.h; LoraPlacement below says
+  // which thread calls what). Called on the engine thread between steps; `bytes` is the sum of
+  // upload_bytes(lora_dtype(), numel) over the factors the placement will upload. The default
+  // (HostLoraPlacement, ops/backend.cpp) uploads each factor with upload() on the placement worker
+  // and writes the table entries with set_lora_slot / set_moe_lora_slot in commit(), on the engine
+  // thread: a backend that keeps it must make upload() safe to run while a step runs (CpuBackend:
+  // upload touches no member). CudaBackend overrides it (copy stream, pinned staging); its
+  // placements call only the backend's const queries (upload_bytes, max_lora_rank) from the
+  // worker. No other Backend method is called off the engine thread.
+  virtual std::unique_ptr<LoraPlacement> begin_lora_placement(int slot, size_t bytes);
 
   // ---- One forward step.
   // Makes the step's metadata (token ids, positions, slots, page tables) available to ops and
@@ -199,6 +211,37 @@ class Backend {
   virtual void synchronize() {}
   virtual void device_timer_begin() {}
   virtual double device_timer_end_us() { return -1.0; }
+};
+
+// One adapter being copied into one slot (Backend::begin_lora_placement). Threads:
+// - the slot pool's placement worker, while the engine thread runs steps: upload, set_lora,
+//   set_moe_lora, then finish, one call at a time;
+// - the engine thread, between steps: ready, commit and the destructor.
+// Why writing a slot while steps run is safe: from begin_lora_placement until commit returns, no
+// token of any step uses the slot (the pool zeroes the slot's host rank mirrors when it reserves
+// it, and the scheduler hands the slot to no request before commit), and kernels read a slot's
+// table entries only for the tokens that carry it (CUDA: also inside replayed graphs, which index
+// the tables by the step's token_slot). So entries the worker writes are never read half-written.
+// The host mirrors that planning reads for every slot (host_rank, host_gu_rank, host_d_rank, and
+// the CUDA rank ceiling of captured graphs) change only in commit, on the engine thread.
+// The placement owns the slot's copies of the factors until it is destroyed.
+class LoraPlacement {
+ public:
+  virtual ~LoraPlacement() = default;
+  // Worker. A copy of `host` (f32 or the backend's lora_dtype) in the backend's lora_dtype; an
+  // error (e.g. out of device memory) fails the placement and only the requests waiting for it.
+  virtual Result<Tensor> upload(const Tensor& host) = 0;
+  // Worker. This slot's entries of one table (tensors from upload; rank 0 = none). Every table of
+  // the pool is given exactly once per placement, so no entry of a previous adapter survives.
+  virtual void set_lora(LoraModuleTable& t, const Tensor& a, const Tensor& b, int rank) = 0;
+  virtual void set_moe_lora(MoeLoraTable& t, const Backend::MoeLoraSlot& s) = 0;
+  // Worker. Everything is queued; returns when the copies and entry writes are complete on the
+  // device (blocking only the worker), or the first error.
+  virtual Status finish() = 0;
+  // Engine thread, non-blocking: the device has completed the placement's work.
+  virtual bool ready() = 0;
+  // Engine thread, after ready(): the slot's entries become visible to planning.
+  virtual void commit() = 0;
 };
 
 }  // namespace moelora

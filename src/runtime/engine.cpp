@@ -151,17 +151,50 @@ struct Engine::Impl {
     return false;
   }
 
+  // A placement ended (poll, engine thread): metrics, a log line, and on failure the requests
+  // that wait for that adapter fail with the error. Nothing else is affected.
+  void placement_ended(LoraSlotPool::PlacementReport& r,
+                       std::vector<std::pair<std::unique_ptr<Sequence>, Status>>* failed) {
+    const double gib = static_cast<double>(r.bytes) / (1ull << 30);
+    if (r.status.ok()) {
+      counters.lora_loads_total++;
+      counters.lora_load_seconds_total += r.copy_seconds;
+      counters.lora_load_bytes_total += r.bytes;
+      MOELORA_LOG_INFO("lora: adapter '{}' placed in slot {}: {:.3g} GiB in {:.1f} ms ({:.2f} GiB/s), ready {:.1f} ms "
+                       "after it was asked for",
+                       r.adapter->name, r.slot, gib, r.copy_seconds * 1e3,
+                       r.copy_seconds > 0 ? gib / r.copy_seconds : 0.0, r.total_seconds * 1e3);
+    } else if (r.status.code() == ErrorCode::kCancelled) {
+      MOELORA_LOG_INFO("lora: placing adapter '{}' in slot {} was cancelled (unloaded while loading)", r.adapter->name,
+                       r.slot);
+    } else {
+      counters.lora_load_failures_total++;
+      MOELORA_LOG_WARN("lora: placing adapter '{}' ({:.3g} GiB) in slot {} failed after {:.1f} ms: {}",
+                       r.adapter->name, gib, r.slot, r.copy_seconds * 1e3, r.status.message());
+      scheduler->fail_waiting(r.adapter.get(),
+                              Status(r.status.code(), fmt::format("adapter '{}' could not be placed in an adapter "
+                                                                  "slot: {}", r.adapter->name, r.status.message())),
+                              failed);
+    }
+  }
+
   void loop() {
+    // The last schedule() ran nothing: the waiting requests wait for placements (or pages), so
+    // the thread sleeps until something changes instead of scheduling empty steps. The slot pool
+    // wakes it when a placement finishes; the timeout only bounds a wake-up that nothing sends.
+    bool blocked = false;
     for (;;) {
       std::vector<Delivery> deliveries;
       ScheduledStep step;
       std::chrono::steady_clock::time_point t_begin;
       {
         std::unique_lock<std::mutex> lk(mu);
-        cv.wait(lk, [&] {
+        auto woken = [&] {
           return stopping || !incoming.empty() || !cancels.empty() || !tasks.empty() || scheduler->num_running() > 0 ||
-                 scheduler->num_waiting() > 0;
-        });
+                 (scheduler->num_waiting() > 0 && !blocked) || slots->placements_done();
+        };
+        if (blocked) cv.wait_for(lk, std::chrono::milliseconds(50), woken);
+        else cv.wait(lk, woken);
         if (stopping) break;
         t_begin = std::chrono::steady_clock::now();
         while (!tasks.empty()) {
@@ -184,7 +217,9 @@ struct Engine::Impl {
           incoming.pop_front();
         }
         std::vector<std::pair<std::unique_ptr<Sequence>, Status>> failed;
+        for (LoraSlotPool::PlacementReport& r : slots->poll()) placement_ended(r, &failed);
         step = scheduler->schedule(&failed);
+        blocked = step.batch.num_tokens() == 0 && failed.empty() && scheduler->num_waiting() > 0;
         for (auto& [s, st] : failed) finish(std::move(s), FinishReason::kError, st, &deliveries);
       }
       if (step.batch.num_tokens() > 0) {
@@ -296,6 +331,15 @@ Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Backend> backend,
   impl->kv = model->alloc_kv_cache(num_pages, opts.kv_page_size);
   impl->pages = std::make_unique<KvCacheManager>(num_pages, opts.kv_page_size, opts.enable_prefix_cache);
   impl->slots = std::make_unique<LoraSlotPool>(cfg, *backend, opts.max_loras_per_batch);
+  {
+    Impl* p = impl.get();
+    // Taking the lock before notifying: the engine thread tests placements_done() under it, so the
+    // wake-up cannot fall between its test and its wait.
+    p->slots->set_on_placement_done([p] {
+      { std::lock_guard<std::mutex> lk(p->mu); }
+      p->cv.notify_one();
+    });
+  }
   AdapterLoadOptions load_opts;
   load_opts.max_rank = opts.max_lora_rank;
   load_opts.factor_dtype = backend->lora_dtype();  // converted on the loading thread
@@ -413,7 +457,7 @@ Status Engine::load_adapter(const std::string& name, const std::string& path, co
 
 Status Engine::add_adapter(const std::string& name, std::shared_ptr<const LoraAdapter> adapter) {
   // Stored as the slots take them (see AdapterLoadOptions::factor_dtype), converted here on the
-  // caller's thread rather than at every placement on the engine thread.
+  // caller's thread once rather than at every placement (on the slot pool's worker).
   if (const DType dt = impl_->backend->lora_dtype(); !factors_are(*adapter, dt)) {
     auto copy = std::make_shared<LoraAdapter>(*adapter);
     convert_adapter_factors(*copy, dt);
@@ -492,6 +536,7 @@ EngineStats Engine::stats() const {
   s.kv_pages_cached = m.pages->cached_only_pages();
   s.lora_slots_total = m.slots->num_slots();
   s.lora_slots_used = m.slots->used_slots();
+  s.lora_slots_loading = m.slots->loading_slots();
   std::set<std::string> run, wait;
   for (const auto& q : m.scheduler->running())
     if (!q->req.adapter.empty()) run.insert(q->req.adapter);
@@ -534,6 +579,9 @@ void Engine::stop() {
   }
   impl_->cv.notify_one();
   if (impl_->thread.joinable()) impl_->thread.join();
+  // Cancels the placements in flight and joins the slot pool's worker, which would otherwise
+  // notify mu/cv (destroyed before the pool) when its placement ends.
+  impl_->slots->shutdown();
 }
 
 }  // namespace moelora

@@ -110,6 +110,7 @@ struct EngineStats {
   int kv_pages_cached = 0;        // held only by the prefix cache (reclaimable)
   int lora_slots_total = 0;
   int lora_slots_used = 0;
+  int lora_slots_loading = 0;     // slots whose adapter is being copied in (off the engine thread)
   std::vector<std::string> running_adapters;
   std::vector<std::string> waiting_adapters;
   uint64_t prompt_tokens_total = 0;
@@ -121,6 +122,11 @@ struct EngineStats {
   uint64_t steps_total = 0;
   double step_seconds_total = 0;       // wall time of steps (schedule -> sampled tokens)
   double step_host_seconds_total = 0;  // of which the engine thread was not waiting for the device
+  // Adapter placements (copies into a slot, on the slot pool's worker thread).
+  uint64_t lora_loads_total = 0;          // completed
+  uint64_t lora_load_failures_total = 0;  // failed (their waiting requests failed with the error)
+  double lora_load_seconds_total = 0;     // worker time of completed placements
+  uint64_t lora_load_bytes_total = 0;     // device bytes they copied
 };
 
 struct AdapterLoadSpec {

@@ -47,16 +47,27 @@ void Scheduler::preempt_youngest(const Sequence* keep) {
   waiting_.push_front(std::move(s));
 }
 
-Status Scheduler::admit_adapter(Sequence& s) {
-  if (s.req.adapter.empty()) return {};
+Status Scheduler::resolve_adapter(Sequence& s) {
+  if (s.adapter) return {};
   // The prefix-cache key is fixed with the weights: a sequence preempted across an in-place reload
   // keeps its old weights and must keep their key too. cache_salt separates users' prefixes.
-  if (!s.adapter) {
-    MOELORA_ASSIGN_OR_RETURN(s.adapter, registry_.get(s.req.adapter));
-    s.adapter_id = prefix_namespace(registry_.generation(s.req.adapter), s.req.cache_salt);
-  }
-  MOELORA_ASSIGN_OR_RETURN(s.slot, slots_.acquire(s.adapter));
+  MOELORA_ASSIGN_OR_RETURN(s.adapter, registry_.get(s.req.adapter));
+  s.adapter_id = prefix_namespace(registry_.generation(s.req.adapter), s.req.cache_salt);
   return {};
+}
+
+void Scheduler::fail_waiting(const LoraAdapter* adapter, const Status& why,
+                             std::vector<std::pair<std::unique_ptr<Sequence>, Status>>* failed) {
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    // A request queued since the last scan has not looked its adapter up yet: it may be this one.
+    if (!(*it)->req.adapter.empty()) (void)resolve_adapter(**it);  // an error fails it at the scan
+    if ((*it)->adapter.get() == adapter) {
+      failed->emplace_back(std::move(*it), why);
+      it = waiting_.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
 ScheduledStep Scheduler::schedule(std::vector<std::pair<std::unique_ptr<Sequence>, Status>>* failed) {
@@ -106,28 +117,49 @@ ScheduledStep Scheduler::schedule(std::vector<std::pair<std::unique_ptr<Sequence
   // Drop plan entries of sequences preempted after they were planned.
   plan.erase(std::remove_if(plan.begin(), plan.end(), [&](const auto& e) { return !running(e.first); }), plan.end());
 
-  // 2. Admit waiting requests (FCFS). Adapter slots go out in arrival order: once a request
-  // waits for a slot, younger adapter requests wait too, even for an adapter that is resident;
-  // otherwise a steady flow of requests for resident adapters keeps every slot referenced and
-  // the waiting one starves. Base-model requests need no slot and still go ahead.
-  bool slot_waiter = false;
-  for (auto it = waiting_.begin(); it != waiting_.end() && budget > 0 &&
-                                   static_cast<int>(running_.size()) < opts_.max_num_seqs;) {
+  // 2. Admit waiting requests (FCFS). A request for a resident adapter takes a reference on its
+  // slot and runs; one for an absent adapter starts its placement (slot reserved, the copy on the
+  // slot pool's worker) and waits; one for a loading adapter waits. Nothing here waits for a copy:
+  // poll() (before this) turned finished placements resident, and every other request keeps
+  // running meanwhile.
+  // Slots go out in arrival order: once a request waits for a slot, younger adapter requests wait
+  // too, even for an adapter that is resident; otherwise a steady flow of requests for resident
+  // adapters keeps every slot referenced and the waiting one starves. Base-model requests need no
+  // slot and still go ahead. Waiting for a placement does not hold the line (its slot is reserved).
+  // Past what this step can admit (token budget, max_num_seqs, KV pages) the scan goes on only to
+  // start placements in empty slots, so adapters load while earlier requests run; it never evicts
+  // there, since a resident adapter may be what an earlier, not yet admitted request needs.
+  bool slot_waiter = false, can_admit = true;
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    can_admit = can_admit && budget > 0 && static_cast<int>(running_.size()) < opts_.max_num_seqs;
+    if (!can_admit && (slot_waiter || !slots_.can_start_placement(/*may_evict=*/false))) break;
     Sequence& s = **it;
-    if (!s.req.adapter.empty() && (slot_waiter || (s.adapter && !slots_.can_acquire(s.adapter.get())))) {
-      slot_waiter = true;
-      ++it;
-      continue;
-    }
-    Status st = admit_adapter(s);
-    if (!st.ok()) {
-      if (st.code() == ErrorCode::kResourceExhausted) {  // no slot now: wait (and hold the line)
-        slot_waiter = true;
+    if (!s.req.adapter.empty()) {
+      if (slot_waiter) {
         ++it;
         continue;
       }
-      failed->emplace_back(std::move(*it), st);
-      it = waiting_.erase(it);
+      if (Status st = resolve_adapter(s); !st.ok()) {
+        failed->emplace_back(std::move(*it), st);
+        it = waiting_.erase(it);
+        continue;
+      }
+      const LoraSlotPool::State state = slots_.state(s.adapter.get());
+      if (state == LoraSlotPool::State::kAbsent) {
+        // No slot to take: wait, and hold the line (only while admitting: see above).
+        if (!slots_.start_placement(s.adapter, /*may_evict=*/can_admit).ok() && can_admit) slot_waiter = true;
+        ++it;
+        continue;
+      }
+      if (state == LoraSlotPool::State::kLoading || !can_admit) {
+        ++it;
+        continue;
+      }
+      auto slot = slots_.acquire(s.adapter);  // resident: a reference, at once
+      MOELORA_CHECK(slot.ok());
+      s.slot = *slot;
+    } else if (!can_admit) {
+      ++it;
       continue;
     }
     // Prefix cache: reuse full pages, always leaving at least one token to compute.
@@ -141,7 +173,9 @@ ScheduledStep Scheduler::schedule(std::vector<std::pair<std::unique_ptr<Sequence
     const int n = std::min(static_cast<int>(s.tokens.size()) - s.num_computed, budget);
     if (!ensure_pages(s, s.num_computed + n)) {
       release_resources(s);  // memory pressure: stop admitting this step
-      break;
+      can_admit = false;
+      ++it;
+      continue;
     }
     plan.emplace_back(&s, n);
     budget -= n;

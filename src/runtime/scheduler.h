@@ -1,8 +1,11 @@
 // Continuous batching. Each step takes every running decode (one token each), continues prefills
 // in chunks, and admits waiting requests while the token budget, KV pages and adapter slots
 // allow. Adapter slots are scheduled like pages: a request whose adapter cannot get a slot waits
-// while others (base requests, resident adapters) go ahead. When pages run out the youngest
-// running request is preempted (its pages go to the prefix cache) and recomputed later.
+// while others (base requests, resident adapters) go ahead. A request whose adapter is not in a
+// slot starts its placement, which runs off the engine thread (lora/slot_pool.h), and is admitted
+// by the first step after the placement completed; the steps in between run everything else.
+// When pages run out the youngest running request is preempted (its pages go to the prefix cache)
+// and recomputed later.
 #pragma once
 
 #include <chrono>
@@ -59,6 +62,10 @@ class Scheduler {
   void step_done(const ScheduledStep& step);
   // Removes a running or waiting sequence, freeing its pages and slot.
   std::unique_ptr<Sequence> remove(const std::string& id);
+  // A placement of `adapter` failed: the waiting sequences that wait for it are returned in
+  // `failed` with `why` (running ones hold other, resident adapters and are untouched).
+  void fail_waiting(const LoraAdapter* adapter, const Status& why,
+                    std::vector<std::pair<std::unique_ptr<Sequence>, Status>>* failed);
 
   int num_running() const { return static_cast<int>(running_.size()); }
   int num_waiting() const { return static_cast<int>(waiting_.size()); }
@@ -72,7 +79,7 @@ class Scheduler {
   bool ensure_pages(Sequence& s, int upto_tokens);
   void release_resources(Sequence& s);
   void preempt_youngest(const Sequence* keep);
-  Status admit_adapter(Sequence& s);
+  Status resolve_adapter(Sequence& s);  // the adapter's weights and prefix namespace, once
 
   EngineOptions opts_;
   KvCacheManager& kv_;

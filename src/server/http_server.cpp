@@ -132,11 +132,11 @@ struct HttpServer::Impl {
     if (!active || dt <= 0) return;  // an idle server stays quiet
     MOELORA_LOG_INFO("stats: avg prompt throughput: {:.1f} tokens/s, avg generation throughput: {:.1f} tokens/s, "
                      "running: {} reqs, waiting: {} reqs, KV cache usage: {:.1f}%, prefix cache hit rate: {:.1f}%, "
-                     "adapter slots: {}/{}, open HTTP requests: {}",
+                     "adapter slots: {}/{} ({} loading), open HTTP requests: {}",
                      prompt / dt, gen / dt, s.num_running, s.num_waiting,
                      s.kv_pages_total > 0 ? 100.0 * s.kv_pages_used / s.kv_pages_total : 0.0,
                      queries > 0 ? 100.0 * hits / queries : 0.0, s.lora_slots_used, s.lora_slots_total,
-                     state.metrics.http_requests_active());
+                     s.lora_slots_loading, state.metrics.http_requests_active());
   }
 };
 

@@ -174,7 +174,16 @@ std::string ServerMetrics::render(const EngineStats& st, int loaded_adapters, do
   w.gauge("moelora_lora_slots_total", "Adapter slots on the backend (--max-loras-per-batch).", st.lora_slots_total);
   w.gauge("moelora_lora_slots_used", "Adapter slots referenced by requests (0 when idle: no leak).",
           st.lora_slots_used);
+  w.gauge("moelora_lora_slots_loading", "Adapter slots whose adapter is being copied in (off the engine thread).",
+          st.lora_slots_loading);
   w.gauge("moelora_lora_adapters_loaded", "Adapters registered with the server.", loaded_adapters);
+  w.counter("moelora_lora_loads_total", "Adapter placements into a slot that completed.", st.lora_loads_total);
+  w.counter("moelora_lora_load_failures_total",
+            "Adapter placements that failed (only the requests waiting for that adapter failed).",
+            st.lora_load_failures_total);
+  w.family("moelora_lora_load_seconds_total", "counter", "Time the placement worker spent on completed placements.");
+  w.sample("moelora_lora_load_seconds_total", "", num(st.lora_load_seconds_total));
+  w.counter("moelora_lora_load_bytes_total", "Device bytes copied by completed placements.", st.lora_load_bytes_total);
   w.gauge("moelora_http_requests_active", "Generation requests whose HTTP response is still open.",
           http_active_.load());
   w.counter("moelora_engine_steps_total", "Engine steps (forward passes) run.", st.steps_total);

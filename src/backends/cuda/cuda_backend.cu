@@ -10,6 +10,7 @@
 #include "backends/cpu/cpu_ops.h"
 #include "backends/cuda/cuda_backend_internal.h"
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/cuda_lora_placement.h"
 #include "backends/cuda/device_info.h"
 #include "backends/cuda/kernels/attention.cuh"
 #include "backends/cuda/kernels/dense_gemm.cuh"
@@ -60,6 +61,8 @@ int CudaBackend::max_lora_rank() const { return cuda_plan::kMaxLoraRank; }
 CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(main_);
   cudaStreamSynchronize(side_);
+  // Placements may outlive the backend (a tool's slot pool): their frees stop waiting for main_.
+  if (copier_) copier_->detach_main();
   if (meta_ && meta_->pinned) cudaFreeHost(meta_->pinned);
   if (meta_ && meta_->plan_pinned) cudaFreeHost(meta_->plan_pinned);
   if (arena_) cudaFree(arena_);
@@ -244,9 +247,10 @@ MoeLoraTable CudaBackend::alloc_moe_lora_table(int num_slots, int num_experts, i
 }
 
 namespace {
-// Table writes happen between steps on the main stream's order (the engine thread owns both),
-// so a running step never sees a half-written slot. A writer queues every entry of one slot
-// (values kept alive in the writer) and synchronises once.
+// Table writes happen between steps on the main stream's order (the caller owns both), so a
+// running step never sees a half-written slot. A writer queues every entry of one slot (values
+// kept alive in the writer) and synchronises once. (The engine places adapters with
+// begin_lora_placement instead: cuda_lora_placement.cu, off its thread.)
 class TableWriter {
  public:
   explicit TableWriter(cudaStream_t s) : s_(s) {}

@@ -9,6 +9,8 @@
 // the dtype the loader asks for.
 // Streams: the main stream runs the forward pass; MoE LoRA work runs on a side stream created
 // with its events at construction (before any capture) and joined by events (kernels/moe_forward).
+// Adapter placements copy on a stream of their own from the slot pool's worker thread, into
+// stream-ordered pool memory (cuda_lora_placement.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,6 +24,7 @@
 namespace moelora::cuda {
 class DenseGemmContext;
 class LoraContext;
+class LoraCopier;
 struct AttentionPlan;
 }  // namespace moelora::cuda
 
@@ -63,6 +66,8 @@ class CudaBackend final : public Backend {
   MoeLoraTable alloc_moe_lora_table(int num_slots, int num_experts, int hidden, int intermediate) override;
   void set_lora_slot(LoraModuleTable& t, int slot, const Tensor& a, const Tensor& b, int rank) override;
   void set_moe_lora_slot(MoeLoraTable& t, int slot, const MoeLoraSlot& s) override;
+  // Copy stream, pinned staging, pool memory (cuda_lora_placement.h).
+  std::unique_ptr<LoraPlacement> begin_lora_placement(int slot, size_t bytes) override;
 
   const StepBatch& begin_step(const StepBatch& batch) override;
   StepMode step_mode() override { return mode_; }
@@ -107,6 +112,7 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return main_; }
 
  private:
+  friend class CudaLoraPlacement;  // commit(): main_, raise_rank_ceiling
   struct StepMeta;  // device copies of the step's token/page arrays
   struct Graphs;    // captured decode graphs (cuda_graphs.cu)
   struct Sampler;   // sampling buffers (cuda_sampler.cu)
@@ -160,6 +166,7 @@ class CudaBackend final : public Backend {
   int pad_page_ = -1, page_size_ = 0;
   bool lora_active_ = false;     // a token of this (graph) step uses an adapter
   int lora_rank_ceiling_ = 0;    // power of two >= every rank ever placed in a slot
+  std::shared_ptr<cuda::LoraCopier> copier_;  // adapter placements; made by the first one
 };
 
 }  // namespace moelora
