@@ -17,19 +17,23 @@
 //    Both warpgroups read the same token tile: half the token bytes per weight byte of a 64-row
 //    item (the first version, with one warpgroup, measured slower than mma.sync at every batch).
 //    Items are strided over a persistent grid as in moe_gemm.cu.
-//  - Stage = one 128-wide K chunk (= one FP8 scale block): A = 128 x 128 FP8 bytes by TMA, B = the
-//    tile's BN token rows x 128 bf16, one TMA box per row and 64-wide half (a gather: rows come
-//    from the tile's pair list), both in the 128-byte swizzle (the TMA swizzles by shared-memory
-//    address bits, so a one-row box at row offset r lands exactly where a whole-tile box would
-//    put row r). Padding rows of a tile load row 0: their MMA columns are never stored.
+//  - Stage = one 128-wide K chunk (= one FP8 scale block): A = 128 x 128 FP8 bytes by TMA (one
+//    box, or a gate and an up box of 64 rows), B = the tile's BN token rows x 128 bf16 gathered by
+//    the producer's lanes with cp.async (rows come from the tile's pair list; padding rows are
+//    zero-filled), written in the 128-byte swizzle that the wgmma descriptor reads.
 //  - The consumer dequantises its A fragments exactly to bf16 in registers (e4m3 -> bf16 is exact),
-//    runs 8 wgmma m64nBNk16 steps into a fresh f32 partial, and adds partial x block scale to the
-//    f32 accumulator: the same per-block f32 scaling as the CPU reference (docs/numerics.md).
-//  - Synchronisation: full[s] completes when all the stage's TMA bytes have landed (one
-//    expect_tx); empty[s] when the 8 consumer warps are done with it. Only the async proxy writes
-//    shared memory that wgmma reads: no proxy fences. (The first version gathered the token rows
-//    with cp.async and made the producer wait for them before publishing a stage: it ran one L2
-//    round trip per stage behind.)
+//    each k16 step right before its wgmma (so decoding overlaps the previous step's MMA), 8 steps
+//    into a fresh f32 partial, then adds partial x block scale to the f32 accumulator: the same
+//    per-block f32 scaling as the CPU reference (docs/numerics.md).
+//  - Synchronisation: full[s] completes when the weight TMA's bytes have landed (expect_tx) and
+//    each producer lane's cp.async copies have completed (`cp.async.mbarrier.arrive.noinc`: the
+//    producer never waits for its own copies); the consumer then fences the generic-proxy writes
+//    of the token rows for wgmma's async-proxy reads. empty[s] completes when the 8 consumer warps
+//    are done with the stage.
+//  - History (bench/RESULTS.md, 2026-12-04): a producer that waited for each stage's token rows
+//    before publishing it ran one L2 round trip per stage behind; one TMA box per token row made
+//    32- and 64-row tiles 2-3x slower (64 tiny boxes per stage); 9 warps at over 96 registers or the
+//    default shared-memory carveout left one CTA per SM.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
