@@ -3,13 +3,14 @@
 // the clients dropping their connection mid-request, and adapters reloaded in place while the
 // traffic runs (one with the same files, one alternating between two adapters). Seeded sampled
 // probes among them must give the tokens they give alone; nothing may answer 5xx (or anything but
-// 200); every gauge must come back to zero; and memory must plateau: after a second identical
-// round the heap in use may not exceed the first round's by more than a bound that a leak of
-// 8 KB per request would break, and the resident size may not grow by more than 64 MiB.
+// 200); every gauge must come back to zero; and memory must plateau: over two more identical
+// rounds the heap in use must, at least once, not grow by a bound that a leak of 8 KB per request
+// would break in every round, and the resident size likewise by 64 MiB.
 #include <malloc.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
@@ -193,16 +194,23 @@ TEST_F(ServingSoak, TwoThousandMixedRequestsWithDropsAndReloadsThenNothingHeld) 
   if (HasFailure()) return;
   const double rss1 = rss_mib(), heap1 = heap_in_use_mib();
   round(2);
+  if (HasFailure()) return;
   const double rss2 = rss_mib(), heap2 = heap_in_use_mib();
-  const std::string seen = fmt::format("RSS MiB {:.0f} / {:.0f} / {:.0f}, heap in use MiB {:.1f} / {:.1f} / {:.1f} "
-                                       "(start / after round 1 / after round 2)",
-                                       rss0, rss1, rss2, heap0, heap1, heap2);
+  round(3);
+  const double rss3 = rss_mib(), heap3 = heap_in_use_mib();
+  const std::string seen =
+      fmt::format("RSS MiB {:.0f} / {:.0f} / {:.0f} / {:.0f}, heap in use MiB {:.1f} / {:.1f} / {:.1f} / {:.1f} "
+                  "(start / after round 1 / 2 / 3)",
+                  rss0, rss1, rss2, rss3, heap0, heap1, heap2, heap3);
   std::printf("%s\n", seen.c_str());
-  // 2,000 requests x 8 KB = 15.6 MiB: a leak of a request's body, tokens or SSE buffers breaks it.
-  EXPECT_LT(heap2 - heap1, 15.0) << seen;
+  // 2,000 requests x 8 KB = 15.6 MiB: a leak of a request's body, tokens or SSE buffers adds that
+  // in every round, so it breaks both bounds. A container reaching a new capacity once (the heap
+  // in use was seen to step up by 20-50 MiB in one of the rounds, at either round, also before the
+  // adapter-placement change) breaks only one: the smaller of the two steps must stay under it.
+  EXPECT_LT(std::min(heap2 - heap1, heap3 - heap2), 15.0) << seen;
   // The resident size also counts freed memory glibc keeps in its per-thread arenas (measured
   // +6-9 MiB per round here over five rounds while the heap in use stayed flat or fell).
-  EXPECT_LT(rss2 - rss1, 64.0) << seen;
+  EXPECT_LT(std::min(rss2 - rss1, rss3 - rss2), 64.0) << seen;
 }
 
 }  // namespace
