@@ -440,6 +440,13 @@ std::optional<ApiError> parse_prompts(const Json& p, const ProtocolLimits& limit
     PromptInput in;
     in.is_ids = true;
     MOELORA_TRY_API(read_token_ids(arr, "prompt", &in.ids));
+    // Checked here as for logit_bias and allowed_token_ids, so the 400 names the parameter (the
+    // engine refuses such ids too, as its last line of defence).
+    for (int32_t t : in.ids)
+      if (!token_in_vocab(t, limits))
+        return bad_request(fmt::format("'prompt' holds token id {}, which is not in the vocabulary (0..{})", t,
+                                       limits.vocab_size - 1),
+                           "prompt");
     out->push_back(std::move(in));
     return std::nullopt;
   };

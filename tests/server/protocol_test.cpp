@@ -148,6 +148,24 @@ TEST(ServerProtocol, BatchedPrompts) {
   EXPECT_TRUE(r.prompts[1].is_ids);
 }
 
+// Token-id prompts are checked against the vocabulary in every form (found by fuzz_openai_requests:
+// a token-id prompt inside a batch passed the parser with an id past the vocabulary).
+TEST(ServerProtocol, TokenIdPromptsOutsideTheVocabularyAreRefused) {
+  ProtocolLimits limits;
+  limits.vocab_size = 1000;
+  for (const char* body : {R"({"prompt": [2, 2, 37777]})", R"({"prompt": ["a", [2, 2, 37777]]})",
+                           R"({"prompt": [[1], [1000]]})"}) {
+    CompletionRequest r;
+    const auto e = parse_completion_request(parse(body), limits, &r);
+    ASSERT_TRUE(e.has_value()) << body;
+    EXPECT_EQ(e->http_status, 400) << body;
+    EXPECT_EQ(e->param, "prompt") << body;
+  }
+  CompletionRequest ok;
+  EXPECT_FALSE(parse_completion_request(parse(R"({"prompt": ["a", [0, 999]]})"), limits, &ok));
+  EXPECT_EQ(ok.prompts.size(), 2u);
+}
+
 // One request may not hold more engine sequences than ProtocolLimits::max_choices (prompts x n):
 // 64 prompts x n 64 = 4,096 sequences used to be accepted from a single client.
 TEST(ServerProtocol, PromptsTimesNIsCapped) {
