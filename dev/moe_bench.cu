@@ -320,12 +320,13 @@ int main(int argc, char** argv) {
   b.init(ncopies);
   if (argc > 1 && std::string(argv[1]) == "wgmma") return wgmma_mode(b, ncopies, bw) ? 0 : 1;
   if (argc > 4 && std::string(argv[1]) == "profile") {
-    // `profile T tile act8 [wgmma]`: three eager base launches of one configuration (for ncu).
+    // `profile T tile act8 [wgmma]`: three eager base launches of one configuration (for ncu);
+    // wgmma 0 (default) the mma.sync kernels, 1 the Hopper GEMM.
     Version v = kV2;
     const int T = std::atoi(argv[2]);
     v.tile = std::atoi(argv[3]);
     v.act8 = std::atoi(argv[4]);
-    if (argc > 5) v.wgmma = std::atoi(argv[5]);
+    v.wgmma = argc > 5 ? std::atoi(argv[5]) : 0;  // mma.sync unless asked: the `moe` stage profiles moe_gemm_kernel
     for (int i = 0; i < 3; ++i) b.launch(nullptr, i % ncopies, T, v, 0);
     MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
     std::printf("profiled T=%d tile=%d act8=%d\n", T, v.tile, v.act8);
@@ -417,12 +418,13 @@ int main(int argc, char** argv) {
         Version v = kV2;
         v.tile = tl;
         v.act8 = a8;
+        v.wgmma = 0;  // the mma.sync tiles this sweep is about (the heuristic takes wgmma at T = 256)
         t[a8][tl] = time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, v, 0); }, ncopies, 30);
       }
     const cuda_plan::MoeTuning def = cuda_plan::choose_moe_tuning(cuda_plan::MoeProblem{T, kK, kE, kH, kI});
-    std::printf("%4d | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | tile %d %s\n", T, t[0][0], t[0][1],
+    std::printf("%4d | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | tile %d %s%s\n", T, t[0][0], t[0][1],
                 t[0][2], t[0][3], t[1][0], t[1][1], t[1][2], t[1][3], moe_gemm_tile_rows(def.tile),
-                def.act_fp8 ? "W8A8" : "W8A16");
+                def.act_fp8 ? "W8A8" : "W8A16", def.wgmma ? " wgmma" : "");
   }
 
   // ---- Timing.
