@@ -254,9 +254,7 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   g.counters = ws.counters;
   g.max_tiles = moe_max_tiles(P, s.E, moe_gemm_tile_rows(tile));
   g.act_fp8 = act_fp8;
-  g.wgmma = tune.wgmma;
-  MOELORA_CHECK_MSG(!g.wgmma || (a.wtype == MoeWeightType::kFp8 && !act_fp8 && cuda_plan::moe_wgmma_shape_ok(s.H, s.I)),
-                    "MoeTuning::wgmma chosen for a problem it does not take");
+  g.wgmma = tune.wgmma;  // moe_gate_up_wgmma refuses problems it does not take (FP8, W8A16, shape)
   g.xq = ws.xq;
   g.ldxq = s.H;
   g.xs = ws.xs;
