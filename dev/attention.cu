@@ -1,8 +1,9 @@
 // Workbench: paged attention (src/backends/cuda/kernels/attention.*), Qwen3-30B-A3B heads
 // (32 q / 4 kv x 128, bf16 KV, 16-position pages scattered over the cache).
-// Decode versions: v1 split-KV decode kernel with the planner's split size (2 blocks per SM
-// wanted), v2 fewer splits (planned for 66 SMs), v3 more splits (264), v4 the prefill kernel on
-// decode tokens. Every version is checked against cpu::attention on a small batch first.
+// Decode versions: v1 the split-KV decode kernel as planned (split count for 2 blocks per SM wanted,
+// pipeline depth by cuda_plan's wave model), v2 fewer splits (planned for 66 SMs), v3 more splits
+// (264), v4 the prefill kernel on decode tokens, v5-v7 the plan's splits at 2, 3 and 4 stages.
+// (The kernel with the query heads as the MMA's rows that this one replaced: bench/RESULTS.md.) Every version is checked against cpu::attention on a small batch first.
 // Decode metric: bytes of K and V read / time, against the copy ceiling (target >= 70 %).
 // Prefill: causal attention of a 4096-token prompt and of a 512-token chunk after 4096 cached, in
 // TFLOP/s (correctness-first kernel; no target in the issue).
@@ -85,9 +86,12 @@ struct Version {
   const char* name;
   int sms;
   int mode;
+  int stages = 0;  // AttentionPlanOptions::decode_stages (0: the plan's)
 };
-const Version kVersions[] = {{"v1 decode (plan)", 132, 1}, {"v2 decode 66-SM plan", 66, 1},
-                             {"v3 decode 264-SM plan", 264, 1}, {"v4 prefill kernel", 132, 2}};
+const Version kVersions[] = {{"v1 decode (plan)", 132, 1},     {"v2 decode 66-SM plan", 66, 1},
+                             {"v3 decode 264-SM plan", 264, 1}, {"v4 prefill kernel", 132, 2},
+                             {"v5 decode, 2 stages", 132, 1, 2}, {"v6 decode, 3 stages", 132, 1, 3},
+                             {"v7 decode, 4 stages", 132, 1, 4}};
 
 }  // namespace
 
@@ -139,8 +143,8 @@ int main() {
     cpu::attention(aa, kv);
     for (const Version& v : kVersions) {
       AttentionPlanOptions o;
-      o.num_sms = v.sms, o.force_mode = v.mode;
-      const AttentionPlan plan = attention_plan(b.pos.data(), b.seq.data(), 3, kHeads, kKvHeads, o);
+      o.num_sms = v.sms, o.force_mode = v.mode, o.decode_stages = v.stages;
+      const AttentionPlan plan = attention_plan(b.pos.data(), b.seq.data(), 3, kHeads, kKvHeads, kDim, kDim, o);
       attention_upload_plan(plan, meta, 1 << 20, nullptr);
       MOELORA_CUDA_CHECK(cudaMemset(out, 0xff, size_t(3) * kHeads * kDim * 2));
       launch_attention_no_cache_write(params(b, q, out, kc, vc), plan, meta, ws, ws_bytes, nullptr);
@@ -153,7 +157,7 @@ int main() {
 
   // ---- decode timing
   std::printf("\n%5s %6s %-22s %6s %9s %9s %8s\n", "B", "ctx", "version", "splits", "us", "KV GB/s", "%copy");
-  for (int ctx : {1024, 4096, 16384}) {
+  for (int ctx : {512, 1024, 4096, 16384}) {
     for (int B : {1, 8, 32, 64, 128, 256}) {
       const double kv_bytes = double(B) * ctx * row * 2 * 2;
       if (kv_bytes > 4.5e9) continue;
@@ -173,8 +177,8 @@ int main() {
       for (const Version& v : kVersions) {
         if (v.mode == 2 && ctx > 1024) continue;  // a known-slow path: one size is enough to show it
         AttentionPlanOptions o;
-        o.num_sms = v.sms, o.force_mode = v.mode;
-        const AttentionPlan plan = attention_plan(b.pos.data(), b.seq.data(), B, kHeads, kKvHeads, o);
+        o.num_sms = v.sms, o.force_mode = v.mode, o.decode_stages = v.stages;
+        const AttentionPlan plan = attention_plan(b.pos.data(), b.seq.data(), B, kHeads, kKvHeads, kDim, kDim, o);
         attention_upload_plan(plan, meta, 1 << 20, nullptr);
         MOELORA_CHECK(attention_workspace_bytes(plan, B, kHeads, kDim) <= ws_bytes);
         const double us = time_graph_us(
@@ -193,7 +197,7 @@ int main() {
         b1.build(rng, 4 * B, ctx - 1, 1);
         AttentionParams p1 = params(b1, q, out, kc[0], vc[0]);
         p1.heads = 8, p1.kv_heads = 1, p1.ld_q = 8 * kDim, p1.ld_out = 8 * kDim;
-        const AttentionPlan plan = attention_plan(b1.pos.data(), b1.seq.data(), 4 * B, 8, 1, {});
+        const AttentionPlan plan = attention_plan(b1.pos.data(), b1.seq.data(), 4 * B, 8, 1, kDim, kDim, {});
         const double us = time_graph_us(
             [&](cudaStream_t s, int c) {
               AttentionParams pc = p1;
@@ -203,21 +207,21 @@ int main() {
             },
             copies);
         const double gbs = kv_bytes / (us * 1e-6) / 1e9;
-        std::printf("%5d %6d %-22s %6d %9.2f %9.0f %7.1f%%\n", 4 * B, ctx, "v6 decode, 8/1 heads", plan.max_splits, us,
+        std::printf("%5d %6d %-22s %6d %9.2f %9.0f %7.1f%%\n", 4 * B, ctx, "v8 decode, 8/1 heads", plan.max_splits, us,
                     gbs, 100.0 * gbs / copy);
       }
       if (ctx == 4096) {
         // The same batch with every sequence's pages in order: does scattering pages cost bandwidth?
         Batch bo;
         bo.build(rng, B, ctx - 1, 1, false);
-        const AttentionPlan plan = attention_plan(bo.pos.data(), bo.seq.data(), B, kHeads, kKvHeads, {});
+        const AttentionPlan plan = attention_plan(bo.pos.data(), bo.seq.data(), B, kHeads, kKvHeads, kDim, kDim, {});
         const double us = time_graph_us(
             [&](cudaStream_t s, int c) {
               launch_attention_no_cache_write(params(bo, q, out, kc[c], vc[c]), plan, meta, ws, ws_bytes, s);
             },
             copies);
         const double gbs = kv_bytes / (us * 1e-6) / 1e9;
-        std::printf("%5d %6d %-22s %6d %9.2f %9.0f %7.1f%%\n", B, ctx, "v5 decode, pages in order", plan.max_splits,
+        std::printf("%5d %6d %-22s %6d %9.2f %9.0f %7.1f%%\n", B, ctx, "v9 decode, pages in order", plan.max_splits,
                     us, gbs, 100.0 * gbs / copy);
       }
     }
@@ -234,7 +238,7 @@ int main() {
     uint16_t* vc = vbuf.get();
     fill_kernel<<<1024, 256>>>(kc, n, 3u);
     fill_kernel<<<1024, 256>>>(vc, n, 5u);
-    const AttentionPlan plan = attention_plan(b.pos.data(), b.seq.data(), fresh, kHeads, kKvHeads, {});
+    const AttentionPlan plan = attention_plan(b.pos.data(), b.seq.data(), fresh, kHeads, kKvHeads, kDim, kDim, {});
     attention_upload_plan(plan, meta, 1 << 20, nullptr);
     const double us = time_graph_us(
         [&](cudaStream_t s, int) { launch_attention_no_cache_write(params(b, q, out, kc, vc), plan, meta, ws, ws_bytes, s); },

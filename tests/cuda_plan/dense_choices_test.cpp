@@ -33,21 +33,55 @@ TEST(DenseChoices, SmallMTilingCoversMWithFewestTokenTilesAndSplitsKOver8Warps) 
 
 TEST(AttentionChoices, DecodeSplitsFillTheGpuTwiceWithoutChunksUnder128Positions) {
   // One token, 4 KV heads of 8 query heads on 132 SMs: 4 blocks per split, 66 wanted splits; 4096
-  // positions / 66 = 63 -> the 128-position minimum -> 32 splits.
-  AttentionDecodeSplit s = choose_attention_decode_split(1, 4, 8, 4096, 132);
-  EXPECT_EQ(s.chunk, 128);
+  // positions hold at most 32 splits of 128.
+  AttentionDecodeSplit s = choose_attention_decode_split(1, 4, 8, 4096, 132, 128, 128);
   EXPECT_EQ(s.max_splits, 32);
-  // 256 tokens already fill the GPU: one split of the whole context (a multiple of 64).
-  s = choose_attention_decode_split(256, 4, 8, 4000, 132);
-  EXPECT_EQ(s.chunk, 4032);
+  // 256 tokens already fill the GPU: one split of the whole context.
+  s = choose_attention_decode_split(256, 4, 8, 4000, 132, 128, 128);
   EXPECT_EQ(s.max_splits, 1);
   // A short context never splits below 128 positions.
-  s = choose_attention_decode_split(1, 4, 8, 100, 132);
+  s = choose_attention_decode_split(1, 4, 8, 100, 132, 128, 128);
   EXPECT_EQ(s.max_splits, 1);
   // 16 query heads per block: 32 query heads per KV head count twice.
-  s = choose_attention_decode_split(8, 4, 32, 8192, 132);  // 64 blocks per split -> 5 wanted
-  EXPECT_EQ(s.chunk, 1664);                                // 8192 / 5 = 1639 -> 1664
+  s = choose_attention_decode_split(8, 4, 32, 8192, 132, 128, 128);  // 64 blocks per split -> 5 wanted
   EXPECT_EQ(s.max_splits, 5);
+}
+
+TEST(AttentionChoices, PipelineDepthFollowsTheMeasuredWaveQuantisation) {
+  // Qwen3-30B-A3B heads (4 KV heads of 8 query heads x 128) on the H200, bench/RESULTS.md decode
+  // attention 2026-12-04: 2 stages (3 blocks per SM) won at 384 blocks (32 tokens, 3 splits) and
+  // 1024 blocks (256 tokens), 3 stages (2 per SM) at 512 blocks (128 tokens; 64 tokens x 2 splits).
+  EXPECT_EQ(attention_decode_smem_bytes(128, 128, 8, 2), 69632);
+  EXPECT_EQ(attention_decode_smem_bytes(128, 128, 8, 3), 104448);
+  EXPECT_EQ(choose_attention_decode_split(32, 4, 8, 4096, 132, 128, 128).stages, 2);
+  EXPECT_EQ(choose_attention_decode_split(256, 4, 8, 4096, 132, 128, 128).stages, 2);
+  EXPECT_EQ(choose_attention_decode_split(128, 4, 8, 4096, 132, 128, 128).stages, 3);
+  const AttentionDecodeSplit s64 = choose_attention_decode_split(64, 4, 8, 4096, 132, 128, 128);
+  EXPECT_EQ(s64.max_splits, 2);
+  EXPECT_EQ(s64.stages, 3);
+  // A few blocks: every depth fits them at once; the shallower one.
+  EXPECT_EQ(choose_attention_decode_split(1, 4, 8, 512, 132, 128, 128).stages, 2);
+  // 16 query heads of 32 values: 2 stages x 4 warps x 16 positions x (40 + 40) bf16.
+  EXPECT_EQ(attention_decode_smem_bytes(32, 32, 16, 2), 20480);
+}
+
+TEST(AttentionChoices, EveryTokenSplitIsNonEmptyAndCoversItsPositions) {
+  // Whatever the grid's extent, a token's splits are whole 64-position pieces of at least 128
+  // positions (except a shorter context's only split), none empty, together exactly its positions.
+  for (int max_splits : {1, 2, 3, 5, 32, 66, 128})
+    for (int n = 1; n <= 20000; n += (n < 1200 ? 1 : 97)) {
+      const AttentionTokenSplit t = attention_token_split(n, max_splits);
+      ASSERT_GE(t.count, 1);
+      ASSERT_LE(t.count, max_splits);
+      ASSERT_EQ(t.chunk % 64, 0);
+      ASSERT_TRUE(t.count == 1 || t.chunk >= kAttentionMinSplitPositions) << n << " " << max_splits;
+      ASSERT_LT((t.count - 1) * t.chunk, n) << n << " " << max_splits;
+      ASSERT_GE(t.count * t.chunk, n);
+    }
+  // A graph sized for 16k positions still spreads a 512-position context over 4 splits.
+  const AttentionTokenSplit t = attention_token_split(512, choose_attention_decode_split(1, 4, 8, 16384, 132, 128, 128).max_splits);
+  EXPECT_EQ(t.count, 4);
+  EXPECT_EQ(t.chunk, 128);
 }
 
 }  // namespace

@@ -24,6 +24,7 @@ struct AttnCase {
   int heads = 4, kv_heads = 2, dk = 32, dv = 32, page_size = 16;
   int force_mode = 0, num_sms = 132;
   bool graph = false;
+  int stages = 0;  // decode pipeline depth forced (0: the plan's)
   std::string name() const {
     auto list = [](const std::vector<int>& v) {
       if (v.size() > 4) {  // large batches: count and range, not every length
@@ -37,7 +38,8 @@ struct AttnCase {
     return "ATTN(cached=" + list(cached) + ",new=" + list(fresh) + ",h=" + std::to_string(heads) + "/" +
            std::to_string(kv_heads) + ",d=" + std::to_string(dk) + "/" + std::to_string(dv) +
            ",ps=" + std::to_string(page_size) + (force_mode == 1 ? ",force-decode" : force_mode == 2 ? ",force-prefill" : "") +
-           (num_sms != 132 ? ",sms=" + std::to_string(num_sms) : "") + (graph ? ",graph" : "") + ")";
+           (num_sms != 132 ? ",sms=" + std::to_string(num_sms) : "") + (graph ? ",graph" : "") +
+           (stages ? ",stages=" + std::to_string(stages) : "") + ")";
   }
 };
 
@@ -123,8 +125,9 @@ TEST_P(Attention, MatchesCpu) {
   cuda::AttentionPlanOptions opt;
   opt.num_sms = c.num_sms;
   opt.force_mode = c.force_mode;
+  opt.decode_stages = c.stages;
   if (c.graph) opt.max_positions = 4096;
-  const cuda::AttentionPlan plan = cuda::attention_plan(b.positions.data(), b.token_seq.data(), T, c.heads, c.kv_heads, opt);
+  const cuda::AttentionPlan plan = cuda::attention_plan(b.positions.data(), b.token_seq.data(), T, c.heads, c.kv_heads, c.dk, c.dv, opt);
   DeviceArray<uint8_t> meta(std::max<size_t>(cuda::attention_meta_bytes(plan), 4));
   const size_t wsb = cuda::attention_workspace_bytes(plan, T, c.heads, c.dv);
   DeviceArray<uint8_t> ws(std::max<size_t>(wsb, 4));
@@ -195,6 +198,16 @@ std::vector<AttnCase> attn_cases() {
   // The decode kernel on multi-token sequences, the prefill kernel on decode tokens.
   add({{20, 0}, {30, 9}, 16, 2, 128, 128, 16, 1, 4});
   add({{4, 16, 199}, {1, 1, 1}, 4, 2, 32, 32, 16, 2});
+  // Every pipeline depth the decode kernel takes, on contexts that end mid-tile and cross pages,
+  // with splits; one with 16 query heads per block.
+  for (int st : {2, 3, 4}) {
+    AttnCase c{{700, 20, 129, 0}, {1, 1, 1, 1}, 32, 4, 128, 128, 16, 0, 16};
+    c.stages = st;
+    add(c);
+    AttnCase d{{333, 64}, {1, 1}, 16, 1, 192, 128, 16, 0, 8};
+    d.stages = st;
+    add(d);
+  }
   // CUDA graph: plan sized for 4096 positions, replayed.
   {
     AttnCase c{{700, 20}, {1, 1}, 32, 4, 128, 128, 16};

@@ -178,7 +178,8 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, K
       o.force_mode = 1;
       o.max_positions = kGraphMaxPositions;
     }
-    *attn_plan_ = cuda::attention_plan(batch_.positions.data(), batch_.token_seq.data(), T, heads, kv.kv_heads, o);
+    *attn_plan_ = cuda::attention_plan(batch_.positions.data(), batch_.token_seq.data(), T, heads, kv.kv_heads,
+                                      kv.k_head_dim, kv.v_head_dim, o);
     attn_meta_bytes_ = cuda::attention_meta_bytes(*attn_plan_);
     attn_meta_ = attn_meta_bytes_ ? meta_->plan_alloc(attn_meta_bytes_) : nullptr;
     MOELORA_CHECK_MSG(attn_meta_bytes_ == 0 || mode_ != StepMode::kCapture, "decode attention plans carry no metadata");
@@ -286,7 +287,8 @@ void CudaBackend::moe(const Tensor& x, const Tensor& ids, const Tensor& weights,
   a.w_down = experts.down.w.data();
   a.s_down = experts.down.scale_inv.defined() ? experts.down.scale_inv.ptr<float>() : nullptr;
   a.shape = {T, static_cast<int>(ids.cols()), experts.num_experts, experts.hidden, experts.intermediate,
-             /*fp8_activations=*/opts_.moe_fp8_activations};
+             /*fp8_activations=*/opts_.moe_fp8_activations,
+             /*fp8_split=*/experts.gate_up.w.dtype() == DType::kF8E4M3};
   a.out = act(out);
   a.ldo = out.ld();
   a.allow_fp8_activations = opts_.moe_fp8_activations;

@@ -1,6 +1,7 @@
 #include "backends/cuda_plan/dense_choices.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace moelora::cuda_plan {
@@ -34,18 +35,48 @@ DenseSmallMTiling choose_dense_small_m_tiling(int M, int in, int row_groups, int
   return t;
 }
 
-AttentionDecodeSplit choose_attention_decode_split(int T, int kv_heads, int group, int max_positions, int num_sms) {
-  // Enough blocks to fill the GPU about twice (a block works on 16 query heads of one KV head for
-  // one token), but never splits under 128 positions. The factor 2 is a compromise the H200 runs
-  // bear out only roughly (bench/RESULTS.md, paged decode attention: a 66-SM plan won at B = 32, a
-  // 264-block one at B = 8 with a 16k context).
-  const int64_t per_split = static_cast<int64_t>(std::max(T, 1)) * kv_heads * ((group + 15) / 16);
+int attention_decode_smem_bytes(int k_head_dim, int v_head_dim, int heads_per_block, int stages) {
+  constexpr int kWarps = 4, kTile = 16;
+  const int pipe = stages * kWarps * kTile * (k_head_dim + 8 + v_head_dim + 8) * 2;
+  const int merge = kWarps * heads_per_block * (v_head_dim + 4) * 4 + 2 * kWarps * heads_per_block * 4;
+  return std::max(pipe, merge);
+}
+
+namespace {
+// Hopper: 228 KB of shared memory per SM, 1 KB of it reserved per resident block.
+constexpr int kSmemPerSm = 228 * 1024, kSmemPerBlockReserved = 1024;
+constexpr int kMaxDecodeBlocksPerSm = 4;  // registers: ~120-200 per thread x 128 threads
+}  // namespace
+
+AttentionDecodeSplit choose_attention_decode_split(int T, int kv_heads, int group, int max_positions, int num_sms,
+                                                   int k_head_dim, int v_head_dim) {
+  // Enough blocks to fill the GPU about twice, but no split under kAttentionMinSplitPositions.
+  const int heads = attention_decode_heads_per_block(group);
+  const int64_t per_split = static_cast<int64_t>(std::max(T, 1)) * kv_heads * ((group + heads - 1) / heads);
   const int want = static_cast<int>(std::max<int64_t>(1, (2 * static_cast<int64_t>(num_sms) + per_split - 1) / per_split));
-  int chunk = (std::max(1, max_positions) + want - 1) / want;
-  chunk = std::max(128, (chunk + 63) / 64 * 64);
+  const int longest = (std::max(1, max_positions) + kAttentionMinSplitPositions - 1) / kAttentionMinSplitPositions;
   AttentionDecodeSplit s;
-  s.chunk = chunk;
-  s.max_splits = std::max(1, (max_positions + chunk - 1) / chunk);
+  s.max_splits = std::max(1, std::min(want, longest));
+  // Pipeline depth: 2 stages let 3 blocks share an SM at Qwen3's 128-value heads, 3 stages only 2.
+  // Which wins is wave quantisation (bench/RESULTS.md, decode attention 2026-12-04: 384 blocks ran
+  // 23 % faster at 2 stages (0.97 waves of 3 per SM against 1.45 of 2), 512 blocks 8-17 % faster at
+  // 3 (1.94 waves against 1.29), 1024 blocks 6-10 % faster at 2). Model: a block's time grows with
+  // the blocks sharing its SM, a partial wave costs a whole one while there are at most 2 waves and
+  // blurs into a fraction beyond (blocks start as others end); the cheaper depth, ties to fewer stages.
+  const int64_t blocks = per_split * s.max_splits;
+  double best = 0.0;
+  for (int stages = 2; stages <= 3; ++stages) {
+    const int bytes = attention_decode_smem_bytes(k_head_dim, v_head_dim, heads, stages) + kSmemPerBlockReserved;
+    const int per_sm = std::clamp(kSmemPerSm / bytes, 1, kMaxDecodeBlocksPerSm);
+    const double waves = static_cast<double>(blocks) / (static_cast<double>(per_sm) * num_sms);
+    const double effective = waves <= 2.0 ? std::ceil(waves) : waves;
+    const int64_t sharing = std::min<int64_t>(per_sm, (blocks + num_sms - 1) / num_sms);
+    const double cost = effective * static_cast<double>(sharing);
+    if (stages == 2 || cost < best - 1e-9) {
+      best = cost;
+      s.stages = stages;
+    }
+  }
   return s;
 }
 

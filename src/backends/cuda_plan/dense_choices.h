@@ -23,13 +23,41 @@ struct DenseSmallMTiling {
 // them), 0 = the measured default.
 DenseSmallMTiling choose_dense_small_m_tiling(int M, int in, int row_groups = 0, int k_warps = 0);
 
-// ---- Decode attention split over the KV positions (kernels/attention.cu).
+// ---- Decode attention (kernels/attention_decode.cu): split over the KV positions, pipeline depth.
+// A token's positions are cut into splits of whole 64-position pieces, at least
+// kAttentionMinSplitPositions each; how many is decided per token on the device from its own
+// length (`attention_token_split`), so a graph captured with the largest grid still spreads a short
+// context over the blocks it launches.
+constexpr int kAttentionMinSplitPositions = 128;
+// Query heads of one KV head that a block takes: 8 (one MMA column tile) or 16.
+inline int attention_decode_heads_per_block(int group) { return group <= 8 ? 8 : 16; }
+// Dynamic shared memory of a decode block: 4 warps x `stages` tiles of 16 positions of K and V in
+// rows padded by 8 values, or the warps' merge area if larger. The kernel checks that it agrees.
+int attention_decode_smem_bytes(int k_head_dim, int v_head_dim, int heads_per_block, int stages);
 struct AttentionDecodeSplit {
-  int chunk = 0;       // positions per split (a multiple of 64, at least 128)
-  int max_splits = 1;  // splits of the longest sequence
+  int max_splits = 1;  // splits of the longest sequence (the grid's extent)
+  int stages = 2;      // K/V tiles per warp in shared memory (in flight + the one being used)
 };
 // T tokens (one per sequence), kv_heads KV heads with `group` query heads each, the longest
-// context `max_positions`, on a GPU of `num_sms` SMs.
-AttentionDecodeSplit choose_attention_decode_split(int T, int kv_heads, int group, int max_positions, int num_sms);
+// context `max_positions`, head dims (k, v), on a GPU of `num_sms` SMs.
+AttentionDecodeSplit choose_attention_decode_split(int T, int kv_heads, int group, int max_positions, int num_sms,
+                                                   int k_head_dim, int v_head_dim);
+
+// Splits of one token of `n` positions when the grid has `max_splits`: `count` splits of `chunk`
+// positions (a multiple of 64; the last one shorter), none empty. Host and device agree on it.
+struct AttentionTokenSplit {
+  int chunk;
+  int count;
+};
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline AttentionTokenSplit attention_token_split(int n, int max_splits) {
+  int want = (n + kAttentionMinSplitPositions - 1) / kAttentionMinSplitPositions;
+  want = want < 1 ? 1 : want;
+  const int ns = max_splits < want ? max_splits : want;
+  const int chunk = ((n + ns - 1) / ns + 63) / 64 * 64;
+  return {chunk, (n + chunk - 1) / chunk};
+}
 
 }  // namespace moelora::cuda_plan

@@ -1,7 +1,8 @@
-// Paged GQA attention (see attention.cuh).
+// Paged GQA attention (see attention.cuh): the cache write, the prefill kernel and the combine of
+// decode splits; the decode kernel is in attention_decode.cu.
 //
-// Tensor-core layout shared by both kernels. A warp owns 16 query rows (heads of one token for
-// decode, (token, head) pairs for prefill) and walks the keys in tiles of 16 positions:
+// Prefill's tensor-core layout. A warp owns 16 query rows ((token, head) pairs) and walks the keys
+// in tiles of 16 positions:
 // - S = Q K^T: Q rows are the MMA's A operand (loaded once), K rows its B operand. The contraction
 //   over head dims is permuted so that lane t owns the contiguous run [t*DK/4, (t+1)*DK/4) of a
 //   head: each K row is read as 4 coalesced runs, one per lane of a quad, with 8/16-byte loads.
@@ -17,35 +18,15 @@
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_utils.cuh"
 #include "backends/cuda/kernels/attention.cuh"
+#include "backends/cuda/kernels/attention_internal.cuh"
 #include "backends/cuda_plan/dense_choices.h"
 
 namespace moelora::cuda {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
+using namespace attention_detail;
+
 constexpr int kPrefillRows = kWarps * 16;
-constexpr float kLog2e = 1.4426950408889634f;
-
-struct KParams {
-  AttentionParams a;
-  float scale_log2;
-  int group;       // query heads per kv head
-  int head_tiles;  // ceil(group / 16)
-  int chunk;
-  int max_splits;
-  int ps_shift;  // log2(page_size) when a power of two, else -1
-  float* ws;
-  const int32_t* items;
-  int tokens_per_item;
-};
-
-__device__ __forceinline__ int64_t cache_row(const KParams& p, int seq_base, int pos) {
-  const int ps = p.a.page_size;
-  const int pi = p.ps_shift >= 0 ? pos >> p.ps_shift : pos / ps;
-  const int off = pos - pi * ps;
-  return static_cast<int64_t>(p.a.page_indices[seq_base + pi]) * ps + off;
-}
 
 // N bf16 from `ptr` (8-byte aligned; 16-byte aligned when kWide) as N/4 pairs of bf16x2.
 template <int N, bool kWide>
@@ -84,20 +65,6 @@ __device__ __forceinline__ void load_words(const bf16* ptr, bool pred, uint32_t 
   }
 }
 
-// cp.async of SZ bytes (4, 8 or 16); pred false writes zeros and reads nothing.
-template <int SZ>
-__device__ __forceinline__ void cp_async(void* smem, const void* gmem, bool pred) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int src = pred ? SZ : 0;
-  if constexpr (SZ == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src) : "memory");
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(s), "l"(gmem), "n"(SZ), "r"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
 template <int DK, int DV>
 struct Attn {
   static constexpr int RL = DK / 4;   // head-dim run per lane (K, Q)
@@ -105,77 +72,6 @@ struct Attn {
   static constexpr int VR = DV / 8;   // V run per lane = number of output n-tiles
   static constexpr bool kWideK = RL % 8 == 0;
   static_assert(DK % 16 == 0 && DV % 16 == 0, "head dims");
-
-  // cp.async staging of one tile for one warp (decode pipeline). Every lane copies exactly the
-  // bytes it will read back, in chunks interleaved across lanes (chunk c of lane l at
-  // (c * 32 + l) * chunk): reads are conflict-free and no lane reads another's data, so the only
-  // synchronisation needed is each thread's own cp.async wait.
-  static constexpr int KBytes = DK / 2, VBytes = DV / 4;  // per lane per row
-  static constexpr int KC = KBytes % 16 == 0 ? 16 : 8;
-  static constexpr int VC = VBytes % 16 == 0 ? 16 : VBytes % 8 == 0 ? 8 : 4;
-  static constexpr int NKC = KBytes / KC, NVC = VBytes / VC;
-  static constexpr int kStageK = 2 * NKC * 32 * KC, kStageBytes = kStageK + 4 * NVC * 32 * VC;
-  static constexpr int kStages = kStageBytes * kWarps * 3 <= 100 * 1024 ? 3 : 2;
-  static constexpr int kPipeBytes = kStageBytes * kWarps * kStages;
-  static constexpr int kMergeBytes = kWarps * 16 * (DV + 4) * 4 + 2 * kWarps * 16 * 4;
-  static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
-
-  static __device__ __forceinline__ void stage_issue(const KParams& p, int seq_base, int kvh, int p0, int kend, int g,
-                                                     int t, int lane, unsigned char* st) {
-    const int kw = p.a.kv_heads * DK, vw = p.a.kv_heads * DV;
-    const bf16* kbase = p.a.k_cache + kvh * DK + t * RL;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int pos = p0 + 8 * r + g;
-      const bool ok = pos < kend;
-      const unsigned char* src = reinterpret_cast<const unsigned char*>(kbase + (ok ? cache_row(p, seq_base, pos) : 0) * kw);
-#pragma unroll
-      for (int c = 0; c < NKC; ++c) cp_async<KC>(st + ((r * NKC + c) * 32 + lane) * KC, src + c * KC, ok);
-    }
-    const bf16* vbase = p.a.v_cache + kvh * DV + g * VR;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int pos = p0 + (i >> 1) * 8 + 2 * t + (i & 1);
-      const bool ok = pos < kend;
-      const unsigned char* src = reinterpret_cast<const unsigned char*>(vbase + (ok ? cache_row(p, seq_base, pos) : 0) * vw);
-#pragma unroll
-      for (int c = 0; c < NVC; ++c) cp_async<VC>(st + kStageK + ((i * NVC + c) * 32 + lane) * VC, src + c * VC, ok);
-    }
-  }
-
-  static __device__ __forceinline__ void stage_read(const unsigned char* st, int lane, uint2 (&k0)[S], uint2 (&k1)[S],
-                                                    uint32_t (&vr)[4][VR / 2]) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      uint2* kr = r == 0 ? k0 : k1;
-#pragma unroll
-      for (int c = 0; c < NKC; ++c) {
-        const unsigned char* a = st + ((r * NKC + c) * 32 + lane) * KC;
-        if constexpr (KC == 16) {
-          const uint4 v = *reinterpret_cast<const uint4*>(a);
-          kr[2 * c] = make_uint2(v.x, v.y);
-          kr[2 * c + 1] = make_uint2(v.z, v.w);
-        } else {
-          kr[c] = *reinterpret_cast<const uint2*>(a);
-        }
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int c = 0; c < NVC; ++c) {
-        const unsigned char* a = st + kStageK + ((i * NVC + c) * 32 + lane) * VC;
-        if constexpr (VC == 16) {
-          const uint4 v = *reinterpret_cast<const uint4*>(a);
-          vr[i][4 * c] = v.x, vr[i][4 * c + 1] = v.y, vr[i][4 * c + 2] = v.z, vr[i][4 * c + 3] = v.w;
-        } else if constexpr (VC == 8) {
-          const uint2 v = *reinterpret_cast<const uint2*>(a);
-          vr[i][2 * c] = v.x, vr[i][2 * c + 1] = v.y;
-        } else {
-          vr[i][c] = *reinterpret_cast<const uint32_t*>(a);
-        }
-      }
-  }
 
   // Q fragments of rows g (pred v0) and g+8 (pred v1).
   static __device__ __forceinline__ void load_q(const bf16* q0, bool v0, const bf16* q1, bool v1, int t,
@@ -287,111 +183,11 @@ struct Attn {
   }
 };
 
-// ---- decode: block = (token, kv head x head tile, split)
-template <int DK, int DV>
-__global__ void __launch_bounds__(kThreads) attn_decode_kernel(const __grid_constant__ KParams p) {
-  using A = Attn<DK, DV>;
-  extern __shared__ __align__(16) unsigned char s_dyn[];  // cp.async stages, then the warp merge
-  // The kv heads of one token are neighbours in launch order (blockIdx.x): they read the
-  // interleaved pieces of the same cache rows at about the same time.
-  const int tok = blockIdx.y;
-  const int kvh = blockIdx.x / p.head_tiles, ht = blockIdx.x % p.head_tiles;
-  const int split = blockIdx.z;
-  const int n = p.a.positions[tok] + 1;
-  const int kbeg = split * p.chunk;
-  if (kbeg >= n) return;  // this token needs fewer splits (the combine reads only those it needs)
-  const int kend = min(n, kbeg + p.chunk);
-  const int seq_base = p.a.page_indptr[p.a.token_seq[tok]];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  // Warp w takes the tiles kbeg + 16 w + 64 i; A::kStages - 1 of them are in flight ahead of the
-  // one being multiplied.
-  const int first = kbeg + warp * 16;
-  const int ntiles = first < kend ? (kend - first + kWarps * 16 - 1) / (kWarps * 16) : 0;
-  unsigned char* wbuf = s_dyn + warp * A::kStages * A::kStageBytes;
-#pragma unroll
-  for (int i = 0; i < A::kStages - 1; ++i) {
-    if (i < ntiles) A::stage_issue(p, seq_base, kvh, first + i * kWarps * 16, kend, g, t, lane, wbuf + i * A::kStageBytes);
-    cp_async_commit();
-  }
-  const int hr0 = ht * 16 + g, hr1 = hr0 + 8;
-  const bool rv0 = hr0 < p.group, rv1 = hr1 < p.group;
-  const bf16* qrow = p.a.q + static_cast<int64_t>(tok) * p.a.ld_q + static_cast<int64_t>(kvh) * p.group * DK;
-  uint32_t qa[A::S][4];
-  A::load_q(qrow + (rv0 ? hr0 : 0) * DK, rv0, qrow + (rv1 ? hr1 : 0) * DK, rv1, t, qa);
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  float o[A::VR][4];
-#pragma unroll
-  for (int j = 0; j < A::VR; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-  for (int i = 0; i < ntiles; ++i) {
-    const int ahead = i + A::kStages - 1;
-    if (ahead < ntiles)
-      A::stage_issue(p, seq_base, kvh, first + ahead * kWarps * 16, kend, g, t, lane,
-                     wbuf + (ahead % A::kStages) * A::kStageBytes);
-    cp_async_commit();
-    cp_async_wait<A::kStages - 1>();  // tile i's group (and every older one) has landed
-    uint2 k0[A::S], k1[A::S];
-    uint32_t vr[4][A::VR / 2];
-    A::stage_read(wbuf + (i % A::kStages) * A::kStageBytes, lane, k0, k1, vr);
-    A::compute(p, first + i * kWarps * 16, kend, kend - 1, kend - 1, qa, k0, k1, vr, m, l, o, t);
-  }
-  cp_async_wait<0>();
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
-  __syncthreads();  // every warp is done with its stages: the buffer becomes the merge area
-  float(*s_o)[16][DV + 4] = reinterpret_cast<float(*)[16][DV + 4]>(s_dyn);
-  float(*s_m)[16] = reinterpret_cast<float(*)[16]>(s_dyn + kWarps * 16 * (DV + 4) * 4);
-  float(*s_l)[16] = reinterpret_cast<float(*)[16]>(s_dyn + kWarps * 16 * (DV + 4) * 4 + kWarps * 16 * 4);
-  if (t == 0) {
-    s_m[warp][g] = m[0];
-    s_m[warp][g + 8] = m[1];
-    s_l[warp][g] = l[0];
-    s_l[warp][g + 8] = l[1];
-  }
-#pragma unroll
-  for (int j = 0; j < A::VR; ++j) {
-    s_o[warp][g][2 * t * A::VR + j] = o[j][0];
-    s_o[warp][g][(2 * t + 1) * A::VR + j] = o[j][1];
-    s_o[warp][g + 8][2 * t * A::VR + j] = o[j][2];
-    s_o[warp][g + 8][(2 * t + 1) * A::VR + j] = o[j][3];
-  }
-  __syncthreads();
-  // Merge the warps (fixed order). Warp 0 always saw key kbeg, so M is finite.
-  for (int idx = threadIdx.x; idx < 16 * DV; idx += kThreads) {
-    const int row = idx / DV, col = idx % DV;
-    const int hr = ht * 16 + row;
-    if (hr >= p.group) continue;
-    float M = s_m[0][row];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) M = fmaxf(M, s_m[w][row]);
-    float L = 0.0f, O = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float f = exp2f(s_m[w][row] - M);
-      L += s_l[w][row] * f;
-      O += s_o[w][row][col] * f;
-    }
-    const int h = kvh * p.group + hr;
-    if (p.max_splits == 1) {
-      p.a.out[static_cast<int64_t>(tok) * p.a.ld_out + static_cast<int64_t>(h) * DV + col] = __float2bfloat16(O / L);
-    } else {
-      float* w = p.ws + ((static_cast<int64_t>(tok) * p.a.heads + h) * p.max_splits + split) * (DV + 2);
-      w[col] = O / L;
-      if (col == 0) {
-        w[DV] = M;
-        w[DV + 1] = L;
-      }
-    }
-  }
-}
-
 template <int DV>
 __global__ void attn_combine_kernel(const __grid_constant__ KParams p) {
   const int tok = blockIdx.x / p.a.heads, h = blockIdx.x % p.a.heads;
   const int n = p.a.positions[tok] + 1;
-  const int ns = (n + p.chunk - 1) / p.chunk;
+  const int ns = cuda_plan::attention_token_split(n, p.max_splits).count;
   const float* base = p.ws + (static_cast<int64_t>(tok) * p.a.heads + h) * p.max_splits * (DV + 2);
   float M = -INFINITY;
   for (int s = 0; s < ns; ++s) M = fmaxf(M, base[s * (DV + 2) + DV]);
@@ -475,10 +271,12 @@ KParams make_params(const AttentionParams& a, const AttentionPlan& plan, const v
   k.a = a;
   k.scale_log2 = a.scale * kLog2e;
   k.group = a.heads / a.kv_heads;
-  k.head_tiles = (k.group + 15) / 16;
-  k.chunk = plan.chunk;
+  k.head_tiles = (k.group + cuda_plan::attention_decode_heads_per_block(k.group) - 1) /
+                 cuda_plan::attention_decode_heads_per_block(k.group);
   k.max_splits = plan.max_splits;
+  k.stages = plan.stages;
   k.ps_shift = (a.page_size & (a.page_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(a.page_size)) : -1;
+  k.tile_in_page = a.page_size % 16 == 0;
   k.ws = static_cast<float*>(ws);
   k.items = static_cast<const int32_t*>(dev_meta);
   k.tokens_per_item = plan.rows_per_item_tokens;
@@ -490,11 +288,8 @@ void launch_dims(const KParams& k, const AttentionPlan& plan, cudaStream_t strea
   const AttentionParams& a = k.a;
   if (plan.decode) {
     MOELORA_CHECK_MSG(a.T <= 65535, "attention decode: {} tokens exceed the grid's y extent", a.T);
-    const dim3 grid(a.kv_heads * k.head_tiles, a.T, plan.max_splits);
-    constexpr int smem = Attn<DK, DV>::kSmemBytes;
     attention_prepare();
-    attn_decode_kernel<DK, DV><<<grid, kThreads, smem, stream>>>(k);
-    MOELORA_CUDA_CHECK_LAUNCH();
+    launch_decode<DK, DV>(k, stream);
     if (plan.max_splits > 1) {
       attn_combine_kernel<DV><<<a.T * a.heads, 128, 0, stream>>>(k);
       MOELORA_CUDA_CHECK_LAUNCH();
@@ -506,12 +301,6 @@ void launch_dims(const KParams& k, const AttentionPlan& plan, cudaStream_t strea
     attn_prefill_kernel<DK, DV><<<grid, kThreads, 0, stream>>>(k);
     MOELORA_CUDA_CHECK_LAUNCH();
   }
-}
-
-template <int DK, int DV>
-void raise_smem_limit() {
-  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(attn_decode_kernel<DK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          Attn<DK, DV>::kSmemBytes));
 }
 
 void dispatch(const KParams& k, const AttentionPlan& plan, cudaStream_t stream) {
@@ -540,12 +329,12 @@ void check_params(const AttentionParams& a) {
 void attention_prepare() {
   static bool done = false;  // one engine thread launches (DESIGN); idempotent
   if (done) return;
-  raise_smem_limit<32, 32>();
-  raise_smem_limit<48, 32>();
-  raise_smem_limit<48, 48>();
-  raise_smem_limit<64, 64>();
-  raise_smem_limit<128, 128>();
-  raise_smem_limit<192, 128>();
+  decode_prepare<32, 32>();
+  decode_prepare<48, 32>();
+  decode_prepare<48, 48>();
+  decode_prepare<64, 64>();
+  decode_prepare<128, 128>();
+  decode_prepare<192, 128>();
   done = true;
 }
 
@@ -555,7 +344,7 @@ bool attention_head_dims_supported(int k, int v) {
 }
 
 AttentionPlan attention_plan(const int32_t* positions, const int32_t* token_seq, int T, int heads, int kv_heads,
-                             const AttentionPlanOptions& opt) {
+                             int k_head_dim, int v_head_dim, const AttentionPlanOptions& opt) {
   AttentionPlan plan;
   int max_per_seq = 0, maxn = 0;
   for (int t = 0, run = 0; t < T; ++t) {
@@ -571,9 +360,9 @@ AttentionPlan attention_plan(const int32_t* positions, const int32_t* token_seq,
       maxn = opt.max_positions;
     }
     const cuda_plan::AttentionDecodeSplit split =
-        cuda_plan::choose_attention_decode_split(T, kv_heads, group, maxn, opt.num_sms);
-    plan.chunk = split.chunk;
+        cuda_plan::choose_attention_decode_split(T, kv_heads, group, maxn, opt.num_sms, k_head_dim, v_head_dim);
     plan.max_splits = split.max_splits;
+    plan.stages = opt.decode_stages != 0 ? opt.decode_stages : split.stages;
     return plan;
   }
   // Prefill: consecutive tokens of one sequence, up to 64 (token, head) rows per block.

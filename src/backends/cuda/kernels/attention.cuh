@@ -8,9 +8,10 @@
 // p % page_size. Head dims: (k, v) in {(32,32), (48,32), (48,48), (64,64), (128,128), (192,128)}.
 //
 // Two kernels, both on the tensor cores (bf16 MMA, f32 softmax in the exp2 domain):
-// - decode: one block per (token, kv head, KV split); the block's 4 warps split the split's
-//   positions, the query heads of the kv group are the MMA rows, so K/V bytes are read once per
-//   group; splits are merged by a combine kernel (flash-decoding). Any token can go this way.
+// - decode (attention_decode.cu): one block per (token, kv head x 8 or 16 of its query heads, KV
+//   split); the block's 4 warps split the split's positions, K/V tiles staged in shared memory by
+//   cp.async and read once per group of query heads, which are the MMA's columns; splits are
+//   merged by a combine kernel (flash-decoding). Any token can go this way.
 // - prefill: one block per (<= 64 (token, head) rows of one sequence, kv head); each warp walks the
 //   positions its rows may see, with a per-row causal limit.
 // attention_plan() picks the kernel and the split size on the host; launches allocate nothing.
@@ -63,12 +64,14 @@ struct AttentionPlanOptions {
   // Decode: size the KV splits for this many positions instead of the batch's longest (a graph
   // captured for a bucket passes its largest context, so the grid stays fixed).
   int max_positions = 0;
+  // Workbench override of cuda_plan's pipeline depth for decode (0 = the choice; 2..4).
+  int decode_stages = 0;
 };
 
 struct AttentionPlan {
   bool decode = true;
-  int chunk = 0;       // decode: positions per split (multiple of 64)
-  int max_splits = 1;  // decode: splits of the longest sequence
+  int max_splits = 1;  // decode: splits of the longest sequence (each token's own: attention_token_split)
+  int stages = 2;      // decode: K/V tiles per warp in shared memory
   int num_items = 0;   // prefill: blocks along the token axis
   int rows_per_item_tokens = 0;
   std::vector<int32_t> meta;  // prefill: [first token, token count] per item (upload to the device)
@@ -76,7 +79,7 @@ struct AttentionPlan {
 
 // positions / token_seq: host copies of the step's arrays.
 AttentionPlan attention_plan(const int32_t* positions, const int32_t* token_seq, int T, int heads, int kv_heads,
-                             const AttentionPlanOptions& opt = {});
+                             int k_head_dim, int v_head_dim, const AttentionPlanOptions& opt = {});
 size_t attention_meta_bytes(const AttentionPlan& plan);
 void attention_upload_plan(const AttentionPlan& plan, void* dev_meta, size_t dev_bytes, cudaStream_t stream);
 // Split-KV partials of the decode kernel: [T][heads][max_splits] x (v_head_dim + 2) floats.
