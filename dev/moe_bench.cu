@@ -43,6 +43,7 @@ struct Version {
   bool one_stream = false;
   int act8 = -1;  // -1: the heuristic's FP8 regime; 0: W8A16; 1: W8A8
   int wgmma = -1;  // -1: the heuristic's kernel; 0: mma.sync; 1: the Hopper TMA + wgmma GEMM
+  int split = -1;  // wgmma W8A16: -1 the heuristic's; 0 weights dequantised; 1 split-form activations
 };
 const Version kV1{"v1", false, false}, kV2{"v2", true, true}, kV3{"v3", true, true, true},
     kV4{"v4", true, true, true, -1, true};
@@ -56,7 +57,7 @@ struct Copy {
 };
 
 struct Bench {
-  MoeShape shape{kMaxT, kK, kE, kH, kI, /*fp8_activations=*/true};  // versions run both regimes
+  MoeShape shape{kMaxT, kK, kE, kH, kI, /*fp8_activations=*/true, /*fp8_split=*/true};  // versions run every regime
   HostExperts hex;
   std::vector<HostLoraSlot> hl;
   std::vector<Copy> copies;
@@ -136,7 +137,8 @@ struct Bench {
     if (v.tile >= 0) a.tuning->tile = static_cast<MoeGemmTile>(v.tile);
     if (v.act8 >= 0) a.tuning->act_fp8 = v.act8 == 1;
     if (v.wgmma >= 0) a.tuning->wgmma = v.wgmma == 1;
-    else if (a.tuning->act_fp8) a.tuning->wgmma = false;  // wgmma takes W8A16 only
+    else if (a.tuning->act_fp8) a.tuning->wgmma = false;  // a forced W8A8 version on the mma.sync kernels
+    if (v.split >= 0) a.tuning->act_split = v.split == 1;
     MoeStreams st{s, v.one_stream ? nullptr : side, ev[0], ev[1], ev[2], ev[3]};
     moe_forward(a, ws, st);
   }
@@ -296,9 +298,76 @@ bool wgmma_mode(Bench& b, int ncopies, double bw) {
   return ok;
 }
 
+// `dev_moe_bench split`: the wgmma GEMM with e4m3 x e4m3 wgmmas from shared memory (W8A16 with the
+// activations in the split form; W8A8) against the CPU reference, then timed per tile against the
+// dequantising wgmma GEMM and the mma.sync kernels.
+bool split_mode(Bench& b, int ncopies, double bw) {
+  bool ok = true;
+  for (int T : {1, 3, 64, 256})
+    for (int tl = 0; tl < 4; ++tl)
+      for (int adapters : {0, 8}) {
+        Version v = kV2;
+        v.tile = tl;
+        v.act8 = 0;
+        v.wgmma = 1;
+        v.split = 1;
+        b.launch(nullptr, 0, T, v, adapters);
+        MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+        const auto out = b.out_of(0, T);
+        v.split = 0;
+        b.launch(nullptr, 0, T, v, adapters);
+        MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+        const double vs_dequant = compare_rows(out, b.out_of(0, T), T, kH).worst_rel;
+        double vs_cpu = -1.0;
+        if (T <= 64) {
+          const auto ids = b.copies[0].ids.download(static_cast<size_t>(T) * kK);
+          const auto w = b.copies[0].w.download(static_cast<size_t>(T) * kK);
+          std::vector<int32_t> slots(T);
+          for (int t = 0; t < T; ++t) slots[t] = t % kSlots;
+          std::vector<float> x(b.hx[0].begin(), b.hx[0].begin() + static_cast<size_t>(T) * kH);
+          const MoeReference ref = moe_reference(b.hex, x, T, ids, w, adapters ? &slots : nullptr, adapters ? &b.hl : nullptr);
+          const Comparison cmp = compare_rows(out, ref.out, T, kH);
+          vs_cpu = cmp.non_finite ? 1e9 : cmp.worst_rel;
+        }
+        const bool pass = vs_dequant <= 1e-2 && vs_cpu <= 1e-2;
+        ok &= pass;
+        std::printf("check split tile %d %-6s T=%3d: worst row rel err vs CPU %.2e, vs dequantising wgmma %.2e %s\n",
+                    moe_gemm_tile_rows(static_cast<MoeGemmTile>(tl)), adapters ? "8 LoRA" : "base", T, vs_cpu, vs_dequant,
+                    pass ? "ok" : "FAIL");
+      }
+  std::printf("checks %s\n", ok ? "passed" : "FAILED");
+  std::printf("\nW8A16: mma.sync (best tile) | wgmma dequantising t8 t16 t32 | wgmma split t8 t16 t32 t64; W8A8: mma.sync "
+              "t16 | wgmma t8 t16 t32; graph replay, %d copies, median of 30, us (copy bandwidth %.0f GB/s)\n",
+              ncopies, bw);
+  for (int T : kTokens)
+    for (int adapters : {0, 8}) {
+      if (adapters && T != 1 && T != 64 && T != 256) continue;
+      auto time = [&](int wg, int tl, int act8, int split) {
+        Version v = kV2;
+        v.tile = tl;
+        v.act8 = act8;
+        v.wgmma = wg;
+        v.split = split;
+        return time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, v, adapters); }, ncopies, 30);
+      };
+      double sync_best = 1e30;
+      for (int tl = 0; tl < 3; ++tl) sync_best = std::min(sync_best, time(0, tl, 0, -1));
+      std::printf("%4d | %d | %6.1f |", T, adapters, sync_best);
+      for (int tl = 0; tl < 3; ++tl) std::printf(" %6.1f", time(1, tl, 0, 0));
+      std::printf(" |");
+      for (int tl = 0; tl < 4; ++tl) std::printf(" %6.1f", time(1, tl, 0, 1));
+      std::printf(" | %6.1f |", time(0, 1, 1, -1));
+      for (int tl = 0; tl < 3; ++tl) std::printf(" %6.1f", time(1, tl, 1, -1));
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a run cut short by its time limit still shows its lines
   const bool regimes_only = argc > 1 && std::string(argv[1]) == "regimes";
   if (!gpu_available()) {
     std::printf("no CUDA device\n");
@@ -319,6 +388,7 @@ int main(int argc, char** argv) {
   Bench b;
   b.init(ncopies);
   if (argc > 1 && std::string(argv[1]) == "wgmma") return wgmma_mode(b, ncopies, bw) ? 0 : 1;
+  if (argc > 1 && std::string(argv[1]) == "split") return split_mode(b, ncopies, bw) ? 0 : 1;
   if (argc > 4 && std::string(argv[1]) == "profile") {
     // `profile T tile act8 [wgmma]`: three eager base launches of one configuration (for ncu);
     // wgmma 0 (default) the mma.sync kernels, 1 the Hopper GEMM.

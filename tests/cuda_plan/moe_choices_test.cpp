@@ -55,38 +55,52 @@ TEST(MoeChoices, Fp8ActivationsOnlyWhenAllowedAndOnlyWhereTheyWereFaster) {
   MoeProblem p{.T = 256, .k = 8, .E = 128, .H = 2048, .I = 768};
   EXPECT_FALSE(choose_moe_tuning(p).act_fp8);  // exact activations unless the operator opts in
   p.allow_fp8_activations = true;
-  for (int T : {32, 64, 128, 256}) {  // W8A8 on the 16-row tile won at each of these
+  for (int T : {2, 32, 64, 128, 256}) {  // W8A8 on the wgmma GEMM won at each of these
     p.T = T;
     const MoeTuning t = choose_moe_tuning(p);
     EXPECT_TRUE(t.act_fp8) << T;
-    EXPECT_EQ(t.tile, MoeGemmTile::kDecode16) << T;
+    EXPECT_TRUE(t.wgmma) << T;
+    EXPECT_FALSE(t.act_split) << T;
   }
-  p.T = 8;  // under 1.5 tokens per expert: bound by bytes, nothing measured to gain
+  p.T = 1;  // the mma.sync W8A16 kernel was as fast
   EXPECT_FALSE(choose_moe_tuning(p).act_fp8);
-  EXPECT_EQ(choose_moe_tuning(p).tile, MoeGemmTile::kDecode8);
-  p.T = 8192;  // measured slower on the prefill tile
+  p.T = 8192;  // the prefill tile: W8A8 measured slower on mma.sync, unmeasured on wgmma
   EXPECT_EQ(choose_moe_tuning(p).tile, MoeGemmTile::kPrefill64);
+  EXPECT_FALSE(choose_moe_tuning(p).act_fp8);
+  // Shapes the wgmma GEMM does not take: W8A8 on mma.sync's 16-row tile from 1.5 tokens per expert.
+  p.H = 2048 + 64;
+  p.T = 64;
+  MoeTuning t = choose_moe_tuning(p);
+  EXPECT_TRUE(t.act_fp8);
+  EXPECT_FALSE(t.wgmma);
+  EXPECT_EQ(t.tile, MoeGemmTile::kDecode16);
+  p.T = 8;
   EXPECT_FALSE(choose_moe_tuning(p).act_fp8);
 }
 
-TEST(MoeChoices, TheWgmmaGemmOnlyWhereItMeasuredFaster) {
+TEST(MoeChoices, TheSplitFormWgmmaGemmFromTwoTokensToTwentyFourPerExpert) {
   MoeProblem p{.T = 256, .k = 8, .E = 128, .H = 2048, .I = 768};  // 16 tokens per expert
   MoeTuning t = choose_moe_tuning(p);
   EXPECT_TRUE(t.wgmma);
-  EXPECT_EQ(t.tile, MoeGemmTile::kDecode32);
-  for (int T : {1, 16, 64, 128, 512, 8192}) {  // mma.sync measured faster at each of these
+  EXPECT_TRUE(t.act_split);
+  EXPECT_FALSE(t.act_fp8);
+  EXPECT_EQ(t.tile, MoeGemmTile::kDecode16);
+  for (int T : {2, 8, 16, 64}) {  // up to 4 tokens per expert: the 8-row tile
+    p.T = T;
+    t = choose_moe_tuning(p);
+    EXPECT_TRUE(t.wgmma && t.act_split) << T;
+    EXPECT_EQ(t.tile, MoeGemmTile::kDecode8) << T;
+  }
+  p.T = 128;
+  EXPECT_EQ(choose_moe_tuning(p).tile, MoeGemmTile::kDecode16);
+  for (int T : {1, 512, 8192}) {  // mma.sync: as fast at one token; prefill not measured on wgmma
     p.T = T;
     EXPECT_FALSE(choose_moe_tuning(p).wgmma) << T;
   }
   p.T = 256;
-  p.fp8_experts = false;  // bf16 experts: the wgmma GEMM dequantises FP8 only
+  p.fp8_experts = false;  // bf16 experts: the wgmma GEMM takes FP8 weights only
   EXPECT_FALSE(choose_moe_tuning(p).wgmma);
   p.fp8_experts = true;
-  p.allow_fp8_activations = true;  // W8A8 runs on mma.sync
-  t = choose_moe_tuning(p);
-  EXPECT_FALSE(t.wgmma);
-  EXPECT_TRUE(t.act_fp8);
-  p.allow_fp8_activations = false;
   p.H = 2048 + 64;  // K in whole 128-wide scale blocks only
   EXPECT_FALSE(choose_moe_tuning(p).wgmma);
   EXPECT_FALSE(moe_wgmma_shape_ok(2048, 768 + 64));

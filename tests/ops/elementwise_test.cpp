@@ -218,6 +218,62 @@ void run_case(const EltCase& c) {
           ASSERT_EQ(sg[layout ? g * c.T + t : t * groups + g], sref[t * groups + g]) << "t " << t << " g " << g;
       EXPECT_TRUE(q.guard_intact() && s.guard_intact());
     }
+  } else if (c.op == "FP8_SPLIT") {
+    // The split form (fp8_quant.cuh): scale is the power of two putting each group's amax in
+    // [128, 256), and x = scale * (e4m3(q) + e4m3(q_lo)) exactly for every element within 2^9 of
+    // the amax; smaller elements are off by at most 2^-10 * scale. Values over many binades.
+    DevMat x(c.T, c.cols, ld);
+    for (auto& v : x.host) v = bf16_to_f32(f32_to_bf16(rng.normal(1.0f) * std::ldexp(1.0f, rng.integer(-14, 6))));
+    if (c.T > 1) std::fill(x.host.begin() + c.cols, x.host.begin() + c.cols + std::min(c.cols, 128), 0.0f);  // a zero group
+    x.upload();
+    const int groups = (c.cols + 127) / 128;
+    DeviceArray<uint8_t> q(std::max<size_t>(c.T * static_cast<size_t>(c.cols), 1)), ql(q.size());
+    DeviceArray<float> s(std::max<size_t>(c.T * static_cast<size_t>(groups), 1));
+    cuda::Fp8QuantParams p;
+    p.x = x.ptr();
+    p.ld_x = ld;
+    p.M = c.T;
+    p.K = c.cols;
+    p.q = q.get();
+    p.q_lo = ql.get();
+    p.ld_q = c.cols;
+    p.scales = s.get();
+    p.scale_ld = groups;
+    cuda::launch_fp8_quant_per_token(p, st);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint8_t> hi = q.download(), lo = ql.download();
+    const std::vector<float> sc = s.download();
+    int exact = 0, small = 0;
+    for (int t = 0; t < c.T; ++t)
+      for (int g = 0; g < groups; ++g) {
+        const int c0 = g * 128, c1 = std::min(c.cols, c0 + 128);
+        float amax = 0.0f;
+        for (int i = c0; i < c1; ++i) amax = std::max(amax, std::fabs(x.host[t * static_cast<size_t>(c.cols) + i]));
+        const float scale = sc[t * groups + g];
+        if (amax == 0.0f) {
+          ASSERT_EQ(scale, 1.0f);
+        } else {
+          int e = 0;
+          ASSERT_EQ(std::frexp(scale, &e), 0.5f) << "a power of two";
+          ASSERT_GE(amax / scale, 128.0f);
+          ASSERT_LT(amax / scale, 256.0f);
+        }
+        for (int i = c0; i < c1; ++i) {
+          const size_t k = t * static_cast<size_t>(c.cols) + i;
+          const double xv = x.host[k];
+          const double back = static_cast<double>(scale) * (static_cast<double>(fp8e4m3_to_f32(hi[k])) + fp8e4m3_to_f32(lo[k]));
+          if (std::fabs(xv) * 512.0 >= amax) {
+            ASSERT_EQ(back, xv) << "t " << t << " i " << i;
+            ++exact;
+          } else {
+            ASSERT_LE(std::fabs(back - xv), std::ldexp(static_cast<double>(scale), -10)) << "t " << t << " i " << i;
+            ++small;
+          }
+        }
+      }
+    if (c.T > 0) EXPECT_GT(exact, 0);
+    EXPECT_TRUE(q.guard_intact() && ql.guard_intact() && s.guard_intact());
+    ::testing::Test::RecordProperty("below_2^-9_of_amax", small);
   } else {
     FAIL() << "unknown op " << c.op;
   }
@@ -236,7 +292,9 @@ std::vector<EltCase> elt_cases() {
     v.push_back({"ADD", T, 2048});
     v.push_back({"SILU_MUL", T, 768});
     v.push_back({"FP8_QUANT", T, 2048});
+    v.push_back({"FP8_SPLIT", T, 2048});
   }
+  v.push_back({"FP8_SPLIT", 3, 768, 0, 8});  // Qwen3's expert width, padded rows
   v.push_back({"EMBED", 5, 100, 0, 3});  // odd width: scalar path
   v.push_back({"RMSNORM", 5, 4096, 128, 8});      // Qwen3 per-head q norm, padded rows
   v.push_back({"RMSNORM", 3, 96, 32});            // small groups

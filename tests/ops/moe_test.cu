@@ -39,6 +39,7 @@ struct MoeCase {
   bool lora_fused = false;        // moe_lora_fused instead of shrink + expand
   int act8 = -1;                  // FP8 experts: -1 the heuristic's regime, 0 W8A16, 1 W8A8
   int wgmma = -1;                 // -1 the heuristic's GEMM kernel, 0 mma.sync, 1 TMA + wgmma (Hopper)
+  int split = -1;                 // wgmma W8A16: -1 the heuristic's, 0 weights dequantised, 1 split activations
 
   std::string name() const {
     std::string n = slots ? "MOE_LORA(" : "MOE(";
@@ -63,6 +64,7 @@ struct MoeCase {
     if (lora_fused) n += ",fused_lora";
     if (act8 >= 0) n += act8 ? ",w8a8" : ",w8a16";
     if (wgmma >= 0) n += wgmma ? ",wgmma" : ",mma_sync";
+    if (split >= 0) n += split ? ",split" : ",dequant";
     return n + ")";
   }
 };
@@ -88,7 +90,8 @@ struct Harness {
   cudaEvent_t ev[4] = {};
 
   explicit Harness(const MoeCase& mc) : c(mc), rng(seed_of(mc.name())) {
-    shape = {std::max(c.T, 1), c.k, c.E, c.H, c.I, /*fp8_activations=*/c.fp8};  // cases force either regime
+    shape = {std::max(c.T, 1), c.k, c.E, c.H, c.I, /*fp8_activations=*/c.fp8,
+             /*fp8_split=*/c.fp8};  // cases force either regime
     ex.shape = shape;
     ex.fp8 = c.fp8;
     ex.generate(seed_of(c.name()) ^ 0x5eedull);
@@ -203,7 +206,8 @@ struct Harness {
     if (c.wgmma >= 0)
       a.tuning->wgmma = c.wgmma == 1;
     else if (a.tuning->act_fp8)
-      a.tuning->wgmma = false;  // a forced W8A8 case: the wgmma GEMM takes W8A16 only
+      a.tuning->wgmma = false;  // a forced W8A8 case on the heuristic's kernel: mma.sync
+    if (c.split >= 0) a.tuning->act_split = c.split == 1;
     return a;
   }
   cuda::MoeStreams streams() {
@@ -427,6 +431,31 @@ std::vector<MoeCase> moe_cases() {
   { MoeCase c = with_lora(base(256, 128, 8, 256, 128), 8, {16, 32, 8, 128}); c.wgmma = 1; c.tile = 2; v.push_back(c); }
   { MoeCase c = with_lora(base(64, 128, 8, 256, 128), 8, {16}); c.graph = true; c.wgmma = 1; c.tile = 1; v.push_back(c); }
   { MoeCase c = base(512, 8, 2, 256, 256); c.wgmma = 1; c.tile = 3; v.push_back(c); }
+  // The same GEMM with e4m3 x e4m3 wgmmas from shared memory: W8A8 (judged like the mma.sync W8A8
+  // cases) and W8A16 with the activations in fp8_quant's split form (judged against the plain
+  // W8A16 reference, like the dequantising kernel): every tile, the edges above, Qwen3 shapes.
+  for (int t = 0; t < 4; ++t) {
+    MoeCase c = base(100, 8, 2, 256, 128);
+    c.tile = t;
+    c.wgmma = 1;
+    c.split = 1;
+    v.push_back(c);
+    MoeCase d = c;
+    d.split = -1;
+    d.act8 = 1;
+    v.push_back(d);
+  }
+  { MoeCase c = base(1, 8, 2, 128, 256); c.wgmma = 1; c.split = 1; c.tile = 0; v.push_back(c); }
+  { MoeCase c = base(40, 8, 2, 128, 256); c.route = kOneExpert; c.tile = 3; c.wgmma = 1; c.split = 1; v.push_back(c); }
+  { MoeCase c = base(19, 8, 2, 256, 128); c.route = kSentinel; c.tile = 1; c.wgmma = 1; c.split = 1; v.push_back(c); }
+  { MoeCase c = base(24, 8, 2, 256, 128); c.route = kHalfEmpty; c.tile = 2; c.wgmma = 1; c.split = 1; v.push_back(c); }
+  { MoeCase c = with_lora(base(24, 8, 2, 256, 256), 4, {1, 16, 128, 5}); c.wgmma = 1; c.split = 1; c.tile = 1; v.push_back(c); }
+  { MoeCase c = base(3, 128, 8, 2048, 768); c.wgmma = 1; c.split = 1; c.tile = 0; v.push_back(c); }
+  { MoeCase c = base(256, 128, 8, 2048, 768); c.wgmma = 1; c.split = 1; c.tile = 2; v.push_back(c); }
+  { MoeCase c = base(256, 128, 8, 2048, 768); c.wgmma = 1; c.act8 = 1; c.tile = 1; v.push_back(c); }
+  { MoeCase c = with_lora(base(40, 128, 8, 2048, 768), 8, {16, 64}); c.wgmma = 1; c.split = 1; c.tile = 2; v.push_back(c); }
+  { MoeCase c = with_lora(base(64, 128, 8, 256, 128), 8, {16}); c.graph = true; c.wgmma = 1; c.split = 1; c.tile = 1; v.push_back(c); }
+  { MoeCase c = base(512, 8, 2, 256, 256); c.wgmma = 1; c.split = 1; c.tile = 3; v.push_back(c); }
   // The fused LoRA kernel (shrink + expand in one launch) on the LoRA families above.
   std::vector<MoeCase> fused;
   for (const MoeCase& c : v)
@@ -459,6 +488,8 @@ std::vector<MoeCase> moe_sanitize_cases() {
   { MoeCase c = base(70, 8, 2, 256, 128); c.act8 = 1; c.tile = 3; v.push_back(c); }
   { MoeCase c = with_lora(base(21, 8, 2, 256, 128), 3, {16}); c.wgmma = 1; c.tile = 1; v.push_back(c); }
   { MoeCase c = base(9, 8, 2, 128, 256); c.route = kSentinel; c.wgmma = 1; c.tile = 0; v.push_back(c); }
+  { MoeCase c = with_lora(base(21, 8, 2, 256, 128), 3, {16}); c.wgmma = 1; c.split = 1; c.tile = 1; v.push_back(c); }
+  { MoeCase c = base(9, 8, 2, 128, 256); c.route = kSentinel; c.wgmma = 1; c.act8 = 1; c.tile = 0; v.push_back(c); }
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(MoeSanitize, MoeLayer, ::testing::ValuesIn(moe_sanitize_cases()), moe_test_name);

@@ -46,27 +46,33 @@ MoeTuning choose_moe_tuning(const MoeProblem& p) {
   // 137.9 vs 137.4 us; elsewhere the fused launch lost by up to 79 us at T = 256).
   t.lora_fused = false;
   t.pdl = true;
-  // W8A8 only when the operator allows it. H200 regime x tile sweep (2026-12-03, dev_moe_bench
-  // regimes, base layer at Qwen3-30B-A3B shapes, us; best W8A16 tile -> W8A8 on the 16-row tile):
-  // T = 16 147.2 -> 146.2, 32 192.0 -> 187.2, 64 221.4 -> 207.0, 128 254.9 -> 224.1, 256 356.0 ->
-  // 293.5; the 16-row tile beat the 8-, 32- and 64-row ones in W8A8 at every T from 16 to 256, and
-  // W8A8 lost on the prefill tile (T = 8192: 3455 -> 3656). Not the default: on the fixtures' FP8
-  // checkpoints it moves the per-checkpoint median row error of `verify --backend cuda` from ~8e-3
-  // to 2.1-2.7e-2, over the bf16 paths' 2e-2 bound (docs/numerics.md).
   const double per_expert = static_cast<double>(p.T) * p.k / std::max(p.E, 1);
+  // The Hopper grouped GEMM with e4m3 x e4m3 wgmmas from shared memory, FP8 experts. H200,
+  // `dev_moe_bench split` (2026-12-04, base layer at Qwen3-30B-A3B shapes, us; bench/RESULTS.md):
+  // best mma.sync W8A16 tile -> wgmma, activations in the split form (W8A16 numerics) on the 8-row
+  // tile up to 4 tokens per expert, the 16-row one above: T = 1 28.6 -> 29.9 (t8), 2 42.5 -> 41.6,
+  // 8 100.8 -> 87.0, 16 147.3 -> 123.3, 64 221.4 -> 172.5, 128 262.2 -> 181.8 (t16), 256 357.5 ->
+  // 211.2 (t16); 8 adapters at 64 tokens 318.0 -> 272.2, at 256 557.4 -> 412.4. The dequantising
+  // wgmma kernel of the previous run lost to both everywhere but 128-256 tokens, so it is no
+  // longer chosen. Prefill (over 24 tokens per expert) was not measured on it: mma.sync stays.
+  // W8A8 only when the operator allows it (--moe-fp8-activations): on the same GEMM it measured
+  // 29.3 (t8) at T = 1, 169.9 at 64, 177.1 (t16) at 128, 194.1 at 256, against W8A8 on mma.sync's
+  // 16-row tile 33.4 / 207.8 / 224.5 / 293.9. Not the default: on the fixtures' FP8 checkpoints it
+  // moves the per-checkpoint median row error of `verify --backend cuda` from ~8e-3 to 2.1-2.7e-2,
+  // over the bf16 paths' 2e-2 bound (docs/numerics.md).
+  if (p.fp8_experts && moe_wgmma_shape_ok(p.H, p.I) && per_expert > 0.1 && per_expert <= 24.0) {
+    t.wgmma = true;
+    t.tile = per_expert <= 4.0 ? MoeGemmTile::kDecode8 : MoeGemmTile::kDecode16;
+    t.act_fp8 = p.allow_fp8_activations;
+    t.act_split = !p.allow_fp8_activations;
+    return t;
+  }
+  // Shapes the wgmma GEMM does not take (H or I not in whole 128-wide blocks): W8A8 on mma.sync's
+  // 16-row tile where it won (2026-12-03 regime sweep: T = 16 147.2 -> 146.2, 64 221.4 -> 207.0,
+  // 256 356.0 -> 293.5; it lost on the prefill tile).
   if (p.allow_fp8_activations) {
     if (per_expert > 1.5 && per_expert <= 24.0) t.tile = MoeGemmTile::kDecode16;
     t.act_fp8 = t.tile == MoeGemmTile::kDecode16 || t.tile == MoeGemmTile::kDecode32;
-  }
-  // The TMA + wgmma grouped GEMM (W8A16, FP8 experts). H200, `dev_moe_bench wgmma` run 4
-  // (2026-12-04, base layer at Qwen3-30B-A3B shapes, best tile of each kernel, us): T = 1 28.5
-  // (mma.sync) vs 36.7 (wgmma); 16: 147.0 vs 161.9; 64: 222.1 vs 232.0; 128: 259.2 vs 260.7;
-  // 256 (16 tokens per expert): 357.8 (16-row tile) vs 344.9 (wgmma, 32-row tile), with 8
-  // adapters 554.8 vs 536.8; prefill 8192 tokens: 3444 vs 4522. So only around 16 tokens per
-  // expert; the window's edges (12, 24] sit between that win and the tie at 8 / losses from 32.
-  if (p.fp8_experts && !t.act_fp8 && moe_wgmma_shape_ok(p.H, p.I) && per_expert > 12.0 && per_expert <= 24.0) {
-    t.wgmma = true;
-    t.tile = MoeGemmTile::kDecode32;
   }
   return t;
 }

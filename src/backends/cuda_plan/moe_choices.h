@@ -35,9 +35,12 @@ struct MoeTuning {
   // FP8 experts only: W8A8 (activations quantised per token per 128 channels, e4m3 MMA) instead
   // of W8A16 (exact bf16 activations, weights dequantised in registers). docs/numerics.md.
   bool act_fp8 = false;
-  // FP8 experts, W8A16 only: the Hopper grouped GEMM (TMA weight ring + wgmma, moe_gemm_wgmma.cu)
-  // instead of the mma.sync kernels. Needs moe_wgmma_shape_ok.
+  // FP8 experts: the Hopper grouped GEMM (TMA weight ring + wgmma, moe_gemm_wgmma.cu) instead of
+  // the mma.sync kernels. Needs moe_wgmma_shape_ok.
   bool wgmma = false;
+  // With wgmma and W8A16: the activations as two e4m3 terms (fp8_quant's split form) multiplied by
+  // e4m3 x e4m3 wgmmas instead of dequantising the weights in registers (moe_gemm_wgmma.cu).
+  bool act_split = false;
 };
 
 // Shapes the wgmma grouped GEMM takes: both GEMMs' K (H, I) in whole 128-wide scale blocks.

@@ -23,14 +23,36 @@ __global__ void fp8_quant_kernel(Fp8QuantParams p) {
   for (int i = 0; i < 4; ++i) v[i] = c0 + i < p.K ? __bfloat162float(x[c0 + i]) : 0.0f;
   float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
   amax = warp_max(amax);
-  // Same f32 expressions as the CPU reference (IEEE division), hence the same bits.
-  const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
   uint8_t* q = p.q + t * p.ld_q;
+  float scale;
+  if (p.q_lo == nullptr) {
+    // Same f32 expressions as the CPU reference (IEEE division), hence the same bits.
+    scale = amax > 0.0f ? amax / 448.0f : 1.0f;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (c0 + i < p.K) {
-      const __nv_fp8_storage_t b = __nv_cvt_float_to_fp8(v[i] / scale, __NV_SATFINITE, __NV_E4M3);
-      q[c0 + i] = static_cast<uint8_t>(b);
+    for (int i = 0; i < 4; ++i) {
+      if (c0 + i < p.K) {
+        const __nv_fp8_storage_t b = __nv_cvt_float_to_fp8(v[i] / scale, __NV_SATFINITE, __NV_E4M3);
+        q[c0 + i] = static_cast<uint8_t>(b);
+      }
+    }
+  } else {
+    // Split form: a power-of-two scale (x / scale exact) putting amax in [128, 256); the high term
+    // rounds x / scale to e4m3, the low term the (exact, f32) remainder.
+    int e = 0;
+    frexpf(amax, &e);  // amax = m * 2^e, m in [0.5, 1)
+    scale = amax > 0.0f ? ldexpf(1.0f, e - 8) : 1.0f;
+    const float inv = 1.0f / scale;  // a power of two: exact
+    uint8_t* ql = p.q_lo + t * p.ld_q;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (c0 + i < p.K) {
+        const float u = v[i] * inv;
+        const __nv_fp8_storage_t hi = __nv_cvt_float_to_fp8(u, __NV_SATFINITE, __NV_E4M3);
+        const float hf = __half2float(__half(__nv_cvt_fp8_to_halfraw(hi, __NV_E4M3)));
+        const __nv_fp8_storage_t lo = __nv_cvt_float_to_fp8(u - hf, __NV_SATFINITE, __NV_E4M3);
+        q[c0 + i] = static_cast<uint8_t>(hi);
+        ql[c0 + i] = static_cast<uint8_t>(lo);
+      }
     }
   }
   if (lane == 0) {

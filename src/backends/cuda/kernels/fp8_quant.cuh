@@ -26,6 +26,13 @@ struct Fp8QuantParams {
   float* scales = nullptr;
   int64_t scale_ld = 0;
   Fp8ScaleLayout layout = Fp8ScaleLayout::kTokenMajor;
+  // Split form (non-null): x = scale * (q + q_lo) with two e4m3 terms, the activations of the
+  // wgmma MoE GEMM's W8A16 path (moe_gemm_wgmma.cu). scale is the power of two that puts the
+  // group's amax in [128, 256), q = e4m3(x / scale) and q_lo = e4m3(x / scale - q), both rounded
+  // to nearest. For bf16 x (8 significant bits) the sum is exact for every element within 2^9 of the
+  // group's amax, and off by at most 2^-10 * scale (< 2^-17 of the amax) below that (e4m3's
+  // smallest step is 2^-9): docs/numerics.md.
+  uint8_t* q_lo = nullptr;
 };
 constexpr int kFp8Group = 128;
 void launch_fp8_quant_per_token(const Fp8QuantParams& p, cudaStream_t stream);

@@ -38,11 +38,15 @@ MoeWorkspace layout(void* base, const MoeShape& s, const MoeLoraShape* lora, siz
   w.tile_pairs = c.take<int32_t>(P + 64 * std::min<size_t>(s.E, P) + 1);
   w.act = c.take<bf16>(std::max<size_t>(P * s.I, 1));
   w.y = c.take<float>(std::max<size_t>(P * s.H, 1));
-  if (s.fp8_activations) {
+  if (s.fp8_activations || s.fp8_split) {
     w.xq = c.take<uint8_t>(std::max<size_t>(static_cast<size_t>(s.max_tokens) * s.H, 1));
     w.xs = c.take<float>(std::max<size_t>(static_cast<size_t>(s.max_tokens) * ((s.H + 127) / 128), 1));
     w.aq = c.take<uint8_t>(std::max<size_t>(P * s.I, 1));
     w.as = c.take<float>(std::max<size_t>(P * ((s.I + 127) / 128), 1));
+  }
+  if (s.fp8_split) {
+    w.xq_lo = c.take<uint8_t>(std::max<size_t>(static_cast<size_t>(s.max_tokens) * s.H, 1));
+    w.aq_lo = c.take<uint8_t>(std::max<size_t>(P * s.I, 1));
   }
   if (lora) {
     const int nb = lora->num_slots * s.E + 1;
@@ -83,9 +87,12 @@ MoeLoraFusedParams fused_params(const MoeForwardArgs& a, const MoeWorkspace& ws,
   return f;
 }
 
-// W8A8: rows [M, K] of `x` to e4m3 `q` [M, K] with token-major scales [M, ceil(K / 128)].
-void quantize_rows(const bf16* x, int64_t ldx, int M, int K, uint8_t* q, float* scales, cudaStream_t stream) {
+// W8A8: rows [M, K] of `x` to e4m3 `q` [M, K] with token-major scales [M, ceil(K / 128)]; with
+// q_lo, the split form (two terms).
+void quantize_rows(const bf16* x, int64_t ldx, int M, int K, uint8_t* q, float* scales, cudaStream_t stream,
+                   uint8_t* q_lo = nullptr) {
   Fp8QuantParams p;
+  p.q_lo = q_lo;
   p.x = x;
   p.ld_x = ldx;
   p.M = M;
@@ -138,9 +145,12 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   const bool pdl = tune.pdl;
   const bool act_fp8 = tune.act_fp8 && a.wtype == MoeWeightType::kFp8;
   MOELORA_CHECK_MSG(!act_fp8 || ws.xq, "W8A8 MoE needs a workspace carved with MoeShape::fp8_activations");
+  // W8A16 on the wgmma GEMM with the activations in the split form (two e4m3 terms).
+  const bool split = !act_fp8 && tune.act_split && tune.wgmma && a.wtype == MoeWeightType::kFp8;
+  MOELORA_CHECK_MSG(!split || ws.xq_lo, "the split-form MoE GEMM needs a workspace carved with MoeShape::fp8_split");
   const int H_groups = (s.H + 127) / 128, I_groups = (s.I + 127) / 128;
-  if (act_fp8)  // first of the layer: it reads only x (the router that follows waits for it)
-    quantize_rows(a.x, a.ldx, a.T, s.H, ws.xq, ws.xs, M);
+  if (act_fp8 || split)  // first of the layer: it reads only x (the router that follows waits for it)
+    quantize_rows(a.x, a.ldx, a.T, s.H, ws.xq, ws.xs, M, split ? ws.xq_lo : nullptr);
 
   // ---- Routing + alignment (one launch when routing is fused).
   RouterParams rp = a.router;
@@ -253,9 +263,10 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   g.tiles = ws.tiles;
   g.counters = ws.counters;
   g.max_tiles = moe_max_tiles(P, s.E, moe_gemm_tile_rows(tile));
-  g.act_fp8 = act_fp8;
-  g.wgmma = tune.wgmma;  // moe_gate_up_wgmma refuses problems it does not take (FP8, W8A16, shape)
+  g.act_fp8 = act_fp8 || split;
+  g.wgmma = tune.wgmma;  // moe_gate_up_wgmma refuses problems it does not take (FP8 weights, shape)
   g.xq = ws.xq;
+  g.xq_lo = split ? ws.xq_lo : nullptr;
   g.ldxq = s.H;
   g.xs = ws.xs;
   g.ldxs = H_groups;
@@ -319,8 +330,9 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   d.ldxq = s.I;
   d.xs = ws.as;
   d.ldxs = I_groups;
-  if (act_fp8)  // act rows of every pair (rows of skipped pairs are never read by moe_down)
-    quantize_rows(ws.act, s.I, P, s.I, ws.aq, ws.as, M);
+  d.xq_lo = split ? ws.aq_lo : nullptr;
+  if (act_fp8 || split)  // act rows of every pair (rows of skipped pairs are never read by moe_down)
+    quantize_rows(ws.act, s.I, P, s.I, ws.aq, ws.as, M, split ? ws.aq_lo : nullptr);
   d.lora_delta = nullptr;
   d.act = nullptr;
   d.y = ws.y;

@@ -31,6 +31,7 @@ struct MoeShape {
   int max_tokens = 0;  // the largest T this workspace serves (the largest captured batch)
   int k = 0, E = 0, H = 0, I = 0;
   bool fp8_activations = false;  // carve the W8A8 buffers (only when W8A8 may run: they cost arena)
+  bool fp8_split = false;        // carve the split-form buffers (FP8 experts on the wgmma path)
 };
 struct MoeLoraShape {
   int num_slots = 0;
@@ -52,6 +53,10 @@ struct MoeWorkspace {
   float* xs = nullptr;          // [max_tokens, ceil(H / 128)]
   uint8_t* aq = nullptr;        // [P, I]
   float* as = nullptr;          // [P, ceil(I / 128)]
+  // MoeTuning::act_split: the low terms of x and act in fp8_quant's split form (xq / aq hold the
+  // high terms, xs / as the power-of-two scales).
+  uint8_t* xq_lo = nullptr;     // [max_tokens, H]
+  uint8_t* aq_lo = nullptr;     // [P, I]
   // LoRA (null when the workspace was carved without a MoeLoraShape)
   int32_t* l_sorted = nullptr;  // [P]
   MoeTile* l_tiles = nullptr;

@@ -8,6 +8,7 @@
 //    (mma.sync m16n8k16, f32 accumulation) with unquantised bf16 activations;
 //  - W8A8 (act_fp8): activations quantised per token per 128 channels to e4m3 beforehand, e4m3 x
 //    e4m3 on the tensor cores (mma.sync m16n8k32): no dequantisation, half the MMAs.
+//  - (wgmma path) W8A16 as two e4m3 terms per activation (act_fp8 + xq_lo): see xq_lo.
 // Either way the block scales (and the activation scales) multiply the f32 partial sum of each
 // 64-wide K chunk; the only other rounding is the bf16 storage of act.
 //
@@ -52,6 +53,10 @@ struct MoeGemmParams {
   int64_t ldxq = 0;                 // bytes
   const float* xs = nullptr;        // [rows, ldxs] scales
   int64_t ldxs = 0;
+  // wgmma path only: the low terms of fp8_quant's split form (xq then holds the high terms and xs
+  // their power-of-two scales): bf16 activations to within 2^-17 of each group's amax, multiplied
+  // as two e4m3 x e4m3 products (W8A16 numerics without dequantising the weights).
+  const uint8_t* xq_lo = nullptr;
   // Routing (moe_align outputs).
   const int32_t* tile_pairs = nullptr;  // [tiles, tile_rows] pair per tile row, -1 = padding
   int align_tile_rows = 0;              // moe_align's tile_rows: must equal moe_gemm_tile_rows(tile)

@@ -56,10 +56,19 @@ constexpr int kConsumers = kConsumerWarps * 32;
 constexpr int kThreads = kConsumers + 32;
 constexpr int kABytes = kRowsPerItem * kKChunk;  // FP8 weight tile of a stage
 
-template <int BN>
+// How the token rows reach the tensor cores (MoeGemmParams: act_fp8, xq_lo).
+enum ActMode : int {
+  kActBf16 = 0,   // bf16 rows; the weights are dequantised to bf16 in registers (W8A16)
+  kActFp8 = 1,    // e4m3 rows + per-(row, 128) scales, e4m3 x e4m3 wgmma from shared memory (W8A8)
+  kActSplit = 2,  // two e4m3 terms per value (fp8_quant's split form: bf16 to within 2^-17 of the
+                  // group's amax), two e4m3 x e4m3 wgmmas per step: W8A16 without any dequantising
+};
+
+template <int BN, int MODE>
 struct WgCfg {
   static_assert(BN == 8 || BN == 16 || BN == 32 || BN == 64, "wgmma n of the token tile");
-  static constexpr int kBBytes = BN * kKChunk * 2;  // bf16 token tile: two 64-wide swizzle columns
+  // bf16: two 64-wide swizzle columns; e4m3: one 128-byte column per term.
+  static constexpr int kBBytes = MODE == kActFp8 ? BN * kKChunk : BN * kKChunk * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
   // <= ~112 KB per CTA, so two CTAs share an SM (four warpgroups computing, 6-10 stages in
   // flight); the 64-row tile (prefill) takes one CTA per SM with 3 stages.
@@ -67,8 +76,9 @@ struct WgCfg {
   static constexpr int kEpiStride = kRowsPerItem + 4;  // floats per token row: conflict-free stores
   static constexpr int kEpiBytes = BN * kEpiStride * 4;
   static constexpr int kBarBytes = 2 * kStages * 8;
+  static constexpr int kScaleBytes = MODE == kActBf16 ? 0 : kStages * BN * 4;  // token scales per stage
   // 1024 bytes of slack to align the ring to the 128-byte swizzle's 1024-byte atom.
-  static constexpr int kSmem = 1024 + kStages * kStageBytes + kEpiBytes + kBarBytes;
+  static constexpr int kSmem = 1024 + kStages * kStageBytes + kEpiBytes + kBarBytes + kScaleBytes;
   static_assert(kStageBytes % 1024 == 0, "stages keep the swizzle atoms aligned");
 };
 
@@ -169,6 +179,64 @@ struct Wgmma<64> {
   }
 };
 
+// D(64 x BN, f32) (+)= A(64 x 32, e4m3, shared memory) * B(32 x BN, e4m3, shared memory), both
+// K-major in the 128-byte swizzle. Hopper's FP8 MMA keeps fewer than f32's bits in its running sum
+// (DeepGEMM's notes: about 14), so callers add each 128-wide K chunk's partial into an f32
+// accumulator of their own, as the block scales require anyway.
+template <int BN>
+struct WgmmaF8;
+template <>
+struct WgmmaF8<8> {
+  __device__ __forceinline__ static void mma(float (&d)[4], uint64_t da, uint64_t db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0,%1,%2,%3}, %4, %5, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(da), "l"(db), "r"(accumulate));
+  }
+};
+template <>
+struct WgmmaF8<16> {
+  __device__ __forceinline__ static void mma(float (&d)[8], uint64_t da, uint64_t db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(da), "l"(db), "r"(accumulate));
+  }
+};
+template <>
+struct WgmmaF8<32> {
+  __device__ __forceinline__ static void mma(float (&d)[16], uint64_t da, uint64_t db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+        "%16, %17, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "r"(accumulate));
+  }
+};
+template <>
+struct WgmmaF8<64> {
+  __device__ __forceinline__ static void mma(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(accumulate));
+  }
+};
+
+__device__ __forceinline__ void cp_async4(void* smem, const void* src, bool pred) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(smem)), "l"(src), "r"(pred ? 4 : 0)
+               : "memory");
+}
+
 struct WgmmaParams {
   CUtensorMap w_map;  // FP8 weights [E * rows_per_expert, K] bytes, box 128 x (128 down | 64 gate_up)
   CUtensorMap x_map;  // bf16 token rows [x_rows, K] (row stride ldx), box 64 x 1
@@ -177,17 +245,18 @@ struct WgmmaParams {
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory"); }
 
-template <int BN, bool GATE_UP>
+template <int BN, bool GATE_UP, int MODE>
 // At most 96 registers: two CTAs of 9 warps per SM, whose busiest SM sub-partition holds 5 warps
 // of its 16384 registers (ncu: 102 registers left room for one CTA only).
 __global__ void __maxnreg__(BN == 64 ? 168 : 96) moe_gemm_wgmma_kernel(const __grid_constant__ WgmmaParams wp) {
-  using C = WgCfg<BN>;
+  using C = WgCfg<BN, MODE>;
   const MoeGemmParams& p = wp.g;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   float* epi = reinterpret_cast<float*>(ring + C::kStages * C::kStageBytes);
   uint64_t* full = reinterpret_cast<uint64_t*>(ring + C::kStages * C::kStageBytes + C::kEpiBytes);
   uint64_t* empty = full + C::kStages;
+  float* xscale = reinterpret_cast<float*>(empty + C::kStages);  // [stage][BN] (FP8 modes)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int K = GATE_UP ? p.H : p.I;
@@ -244,15 +313,36 @@ __global__ void __maxnreg__(BN == 64 ? 168 : 96) moe_gemm_wgmma_kernel(const __g
             tma_load_2d(a_dst, &wp.w_map, c * kKChunk, row0, &full[stage]);
           }
         }
-        // Token tile: BN rows x 16 pieces of 16 bytes (128 bf16); piece q of row r goes to swizzle
-        // column q / 8 at row r, 16-byte unit (q % 8) ^ (r % 8) (the 128-byte swizzle's rule).
+        if constexpr (MODE == kActBf16) {
+          // Token tile: BN rows x 16 pieces of 16 bytes (128 bf16); piece q of row r goes to swizzle
+          // column q / 8 at row r, 16-byte unit (q % 8) ^ (r % 8) (the 128-byte swizzle's rule).
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) {
-          const int idx = lane + 32 * i, r = idx >> 4, q = idx & 15;
-          const int xrow = __shfl_sync(0xffffffffu, xr[(2 * i) >> 5], r & 31);  // r / 32 == 2i / 32
-          uint8_t* dst = b_dst + (q >> 3) * (BN * 128) + r * 128 + (((q & 7) ^ (r & 7)) << 4);
-          const bf16* src = xrow >= 0 ? p.x + static_cast<int64_t>(xrow) * p.ldx + c * kKChunk + q * 8 : p.x;
-          cp_async16(dst, src, xrow >= 0);
+          for (int i = 0; i < BN / 2; ++i) {
+            const int idx = lane + 32 * i, r = idx >> 4, q = idx & 15;
+            const int xrow = __shfl_sync(0xffffffffu, xr[(2 * i) >> 5], r & 31);  // r / 32 == 2i / 32
+            uint8_t* dst = b_dst + (q >> 3) * (BN * 128) + r * 128 + (((q & 7) ^ (r & 7)) << 4);
+            const bf16* src = xrow >= 0 ? p.x + static_cast<int64_t>(xrow) * p.ldx + c * kKChunk + q * 8 : p.x;
+            cp_async16(dst, src, xrow >= 0);
+          }
+        } else {
+          // e4m3 rows: BN rows x 8 pieces of 16 bytes per term, same swizzle; the split form's low
+          // term is a second tile right after the first. Then the rows' scales of this K chunk.
+#pragma unroll
+          for (int i = 0; i < BN / 4; ++i) {
+            const int idx = lane + 32 * i, r = idx >> 3, q = idx & 7;
+            const int xrow = __shfl_sync(0xffffffffu, xr[(4 * i) >> 5], r & 31);  // r / 32 == 4i / 32
+            const int off = r * 128 + ((q ^ (r & 7)) << 4);
+            const int64_t src = xrow >= 0 ? static_cast<int64_t>(xrow) * p.ldxq + c * kKChunk + q * 16 : 0;
+            cp_async16(b_dst + off, p.xq + src, xrow >= 0);
+            if constexpr (MODE == kActSplit) cp_async16(b_dst + BN * 128 + off, p.xq_lo + src, xrow >= 0);
+          }
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = lane + 32 * h;
+            if (r < BN)
+              cp_async4(xscale + stage * BN + r, p.xs + (xr[h] >= 0 ? static_cast<int64_t>(xr[h]) * p.ldxs + c : 0),
+                        xr[h] >= 0);
+          }
         }
         cp_async_mbar_arrive(&full[stage]);  // arrives once this lane's copies have landed
         if (++stage == C::kStages) {
@@ -299,31 +389,66 @@ __global__ void __maxnreg__(BN == 64 ? 168 : 96) moe_gemm_wgmma_kernel(const __g
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       const uint8_t* a_s = ring + stage * C::kStageBytes;
       const uint32_t b_s = smem_u32(a_s + kABytes);
-      // A fragments, dequantised exactly: row r's 16-byte unit s sits at unit
-      // s ^ (r % 8) (r0 and r0 + 8 share r % 8 = g).
-      // Each k16 step's A fragment is decoded right before its wgmma is issued, so decoding step
-      // s + 1 overlaps step s on the tensor cores (run 3 decoded all 8 first, then issued).
-      float part[BN / 2];
+      if constexpr (MODE != kActBf16) {
+        // Both operands from shared memory: this warpgroup's 64 weight rows and the token tile
+        // (and its low term), 4 k32 steps each; no register work per weight byte.
+        const uint32_t a_w = smem_u32(a_s) + (warp >> 2) * (64 * 128);
+        float part[BN / 2];
 #pragma unroll
-      for (int i = 0; i < BN / 2; ++i) part[i] = 0.0f;  // overwritten (first step: accumulate = 0)
-      const int wsel = c4 >> 1;
-#pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        const int unit = (s ^ g) << 4;
-        const uint32_t* q0 = reinterpret_cast<const uint32_t*>(a_s + r0 * 128 + unit);
-        const uint32_t* q8 = reinterpret_cast<const uint32_t*>(a_s + (r0 + 8) * 128 + unit);
-        uint32_t afr[4];
-        fp8x4_to_bf16x4(__byte_perm(q0[wsel], q0[2 + wsel], sel), afr[0], afr[2]);  // row g: k 2c, 2c+1 | 2c+8, 2c+9
-        fp8x4_to_bf16x4(__byte_perm(q8[wsel], q8[2 + wsel], sel), afr[1], afr[3]);  // row g + 8
+        for (int i = 0; i < BN / 2; ++i) part[i] = 0.0f;
         wgmma_fence();
-        Wgmma<BN>::mma(part, afr, desc_sw128(b_s + (s >> 2) * (BN * 128) + (s & 3) * 32), s > 0);
-      }
-      wgmma_commit();
-      wgmma_wait0();
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[stage]);
 #pragma unroll
-      for (int i = 0; i < BN / 2; ++i) acc[i] = fmaf(part[i], sc, acc[i]);
+        for (int s = 0; s < 4; ++s) WgmmaF8<BN>::mma(part, desc_sw128(a_w + 32 * s), desc_sw128(b_s + 32 * s), s > 0);
+        if constexpr (MODE == kActSplit) {
+#pragma unroll
+          for (int s = 0; s < 4; ++s)
+            WgmmaF8<BN>::mma(part, desc_sw128(a_w + 32 * s), desc_sw128(b_s + BN * 128 + 32 * s), 1);
+        }
+        wgmma_commit();
+        wgmma_wait0();
+        // Column n of the partial is token row n of the tile: its scale for this K chunk.
+        float xsc[BN / 8][2];
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          xsc[j][0] = xscale[stage * BN + 8 * j + 2 * c4] * sc;
+          xsc[j][1] = xscale[stage * BN + 8 * j + 2 * c4 + 1] * sc;
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[stage]);
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          acc[4 * j + 0] = fmaf(part[4 * j + 0], xsc[j][0], acc[4 * j + 0]);
+          acc[4 * j + 1] = fmaf(part[4 * j + 1], xsc[j][1], acc[4 * j + 1]);
+          acc[4 * j + 2] = fmaf(part[4 * j + 2], xsc[j][0], acc[4 * j + 2]);
+          acc[4 * j + 3] = fmaf(part[4 * j + 3], xsc[j][1], acc[4 * j + 3]);
+        }
+      } else {
+        // A fragments, dequantised exactly: row r's 16-byte unit s sits at unit
+        // s ^ (r % 8) (r0 and r0 + 8 share r % 8 = g).
+        // Each k16 step's A fragment is decoded right before its wgmma is issued, so decoding step
+        // s + 1 overlaps step s on the tensor cores (run 3 decoded all 8 first, then issued).
+        float part[BN / 2];
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) part[i] = 0.0f;  // overwritten (first step: accumulate = 0)
+        const int wsel = c4 >> 1;
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          const int unit = (s ^ g) << 4;
+          const uint32_t* q0 = reinterpret_cast<const uint32_t*>(a_s + r0 * 128 + unit);
+          const uint32_t* q8 = reinterpret_cast<const uint32_t*>(a_s + (r0 + 8) * 128 + unit);
+          uint32_t afr[4];
+          fp8x4_to_bf16x4(__byte_perm(q0[wsel], q0[2 + wsel], sel), afr[0], afr[2]);  // row g: k 2c, 2c+1 | 2c+8, 2c+9
+          fp8x4_to_bf16x4(__byte_perm(q8[wsel], q8[2 + wsel], sel), afr[1], afr[3]);  // row g + 8
+          wgmma_fence();
+          Wgmma<BN>::mma(part, afr, desc_sw128(b_s + (s >> 2) * (BN * 128) + (s & 3) * 32), s > 0);
+        }
+        wgmma_commit();
+        wgmma_wait0();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[stage]);
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) acc[i] = fmaf(part[i], sc, acc[i]);
+      }
       if (++stage == C::kStages) {
         stage = 0;
         phase ^= 1;
@@ -434,26 +559,26 @@ CUtensorMap cached_map(const void* base, bool fp8, int64_t cols, int64_t rows, i
   return map;
 }
 
-template <int BN, bool GU>
+template <int BN, bool GU, int MODE>
 int query_occupancy() {
-  using C = WgCfg<BN>;
-  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_wgmma_kernel<BN, GU>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
+  using C = WgCfg<BN, MODE>;
+  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_wgmma_kernel<BN, GU, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem));
   // All of the unified L1/shared storage as shared memory, so two CTAs fit (the default carveout
   // gave these CTAs 102 KB per SM: one CTA).
-  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_wgmma_kernel<BN, GU>, cudaFuncAttributePreferredSharedMemoryCarveout,
+  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_gemm_wgmma_kernel<BN, GU, MODE>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                           cudaSharedmemCarveoutMaxShared));
   int o = 0;
-  MOELORA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, moe_gemm_wgmma_kernel<BN, GU>, kThreads, C::kSmem));
+  MOELORA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, moe_gemm_wgmma_kernel<BN, GU, MODE>, kThreads, C::kSmem));
   MOELORA_CHECK(o >= 1);
   return o;
 }
-template <int BN, bool GU>
+template <int BN, bool GU, int MODE>
 int occupancy_of() {
-  static const int occ = query_occupancy<BN, GU>();
+  static const int occ = query_occupancy<BN, GU, MODE>();
   return occ;
 }
 
-template <int BN, bool GU>
+template <int BN, bool GU, int MODE>
 void launch(const MoeGemmParams& p, cudaStream_t stream) {
   WgmmaParams wp;
   wp.g = p;
@@ -463,25 +588,42 @@ void launch(const MoeGemmParams& p, cudaStream_t stream) {
   wp.x_map = cached_map(p.x, /*fp8=*/false, K, p.x_rows, p.ldx * 2, 1);
   const int nblocks = GU ? p.I / (kRowsPerItem / 2) : p.H / kRowsPerItem;
   const int64_t max_items = static_cast<int64_t>(p.max_tiles) * nblocks;
-  const int grid = static_cast<int>(std::min<int64_t>(max_items, static_cast<int64_t>(moe_num_sms()) * occupancy_of<BN, GU>()));
+  const int grid =
+      static_cast<int>(std::min<int64_t>(max_items, static_cast<int64_t>(moe_num_sms()) * occupancy_of<BN, GU, MODE>()));
   if (grid <= 0) return;
-  moe_launch(moe_gemm_wgmma_kernel<BN, GU>, dim3(grid), dim3(kThreads), WgCfg<BN>::kSmem, stream, p.pdl, wp);
+  moe_launch(moe_gemm_wgmma_kernel<BN, GU, MODE>, dim3(grid), dim3(kThreads), WgCfg<BN, MODE>::kSmem, stream, p.pdl, wp);
+}
+
+template <int BN, bool GU>
+void launch_mode(const MoeGemmParams& p, cudaStream_t stream) {
+  if (!p.act_fp8) launch<BN, GU, kActBf16>(p, stream);
+  else if (p.xq_lo == nullptr) launch<BN, GU, kActFp8>(p, stream);
+  else launch<BN, GU, kActSplit>(p, stream);
 }
 
 template <bool GU>
 void dispatch(const MoeGemmParams& p, cudaStream_t stream) {
   MOELORA_CHECK_MSG(cuda_plan::moe_wgmma_shape_ok(p.H, p.I), "the wgmma MoE GEMM needs H and I multiples of 128");
-  MOELORA_CHECK_MSG(p.wtype == MoeWeightType::kFp8 && !p.act_fp8, "the wgmma MoE GEMM takes FP8 weights, bf16 activations");
+  MOELORA_CHECK_MSG(p.wtype == MoeWeightType::kFp8, "the wgmma MoE GEMM takes FP8 weights");
+  MOELORA_CHECK(!p.act_fp8 || (p.xq && p.xs && p.ldxq % 16 == 0 && (reinterpret_cast<uintptr_t>(p.xq) & 15) == 0 &&
+                               (!p.xq_lo || (reinterpret_cast<uintptr_t>(p.xq_lo) & 15) == 0)));
   MOELORA_CHECK(p.x && p.ldx % 8 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0 && p.x_rows >= 1);
   MOELORA_CHECK((reinterpret_cast<uintptr_t>(p.w) & 15) == 0 && p.w_scale && p.tile_pairs && p.tiles && p.counters);
   MOELORA_CHECK(p.align_tile_rows == moe_gemm_tile_rows(p.tile));
   MOELORA_CHECK(GU ? (p.act && p.top_k >= 1) : (p.y != nullptr));
   switch (p.tile) {
-    case MoeGemmTile::kDecode8: launch<8, GU>(p, stream); break;
-    case MoeGemmTile::kDecode16: launch<16, GU>(p, stream); break;
-    case MoeGemmTile::kDecode32: launch<32, GU>(p, stream); break;
-    case MoeGemmTile::kPrefill64: launch<64, GU>(p, stream); break;
+    case MoeGemmTile::kDecode8: launch_mode<8, GU>(p, stream); break;
+    case MoeGemmTile::kDecode16: launch_mode<16, GU>(p, stream); break;
+    case MoeGemmTile::kDecode32: launch_mode<32, GU>(p, stream); break;
+    case MoeGemmTile::kPrefill64: launch_mode<64, GU>(p, stream); break;
   }
+}
+
+template <int BN>
+void init_modes() {
+  occupancy_of<BN, true, kActBf16>(), occupancy_of<BN, false, kActBf16>();
+  occupancy_of<BN, true, kActFp8>(), occupancy_of<BN, false, kActFp8>();
+  occupancy_of<BN, true, kActSplit>(), occupancy_of<BN, false, kActSplit>();
 }
 
 }  // namespace
@@ -491,10 +633,10 @@ void moe_down_wgmma(const MoeGemmParams& p, cudaStream_t stream) { dispatch<fals
 
 void moe_gemm_wgmma_init() {
   encode_fn();  // the driver entry point, looked up before any graph capture
-  occupancy_of<8, true>(), occupancy_of<8, false>();
-  occupancy_of<16, true>(), occupancy_of<16, false>();
-  occupancy_of<32, true>(), occupancy_of<32, false>();
-  occupancy_of<64, true>(), occupancy_of<64, false>();
+  init_modes<8>();
+  init_modes<16>();
+  init_modes<32>();
+  init_modes<64>();
 }
 
 }  // namespace moelora::cuda
