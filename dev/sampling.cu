@@ -4,12 +4,16 @@
 // a seed per row, no logprobs; a second setting adds top-k 50 and 5 top logprobs.
 // Two kinds of logits: "peaked" (normal sd 2 plus a few strong tokens, like a trained model) and
 // "flat" (normal sd 0.3, like a random-weight model: top-p then keeps most of the vocabulary).
-// Check: every cluster size gives the same bytes as 8 (the kernel's contract). Timed under graph
-// replay, logits rotated past L2, median of 20.
+// Checks, for every row count before anything is timed: every cluster size gives the same bytes as 8
+// (the kernel's contract), and up to 64 rows the tokens and top-logprob ids are the CPU reference
+// sampler's (cpu::sample; logprobs within 1e-4). Timed under graph replay, logits rotated past L2,
+// median of 20.
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <vector>
 
+#include "backends/cpu/cpu_ops.h"
 #include "backends/cuda/kernels/sampling.cuh"
 #include "backends/cuda_plan/sample_choices.h"
 #include "gpukit/device_array.h"
@@ -45,6 +49,32 @@ std::vector<DeviceSampleRow> make_rows(int rows, int top_k, int logprobs) {
   return p;
 }
 
+// The reference's view of the same rows (no edits).
+std::vector<SampleRow> host_rows(const std::vector<DeviceSampleRow>& d) {
+  std::vector<SampleRow> rows(d.size());
+  for (size_t r = 0; r < d.size(); ++r) {
+    rows[r].temperature = d[r].temperature, rows[r].top_k = d[r].top_k, rows[r].top_p = d[r].top_p;
+    rows[r].min_p = d[r].min_p, rows[r].seed = d[r].seed, rows[r].step = d[r].step, rows[r].logprobs = d[r].logprobs;
+  }
+  return rows;
+}
+
+// Rows whose token, top-logprob ids or logprobs (1e-4) differ from the CPU reference.
+int reference_mismatches(const std::vector<float>& x, int rows, const std::vector<DeviceSampleRow>& params,
+                         const std::vector<uint8_t>& got_bytes) {
+  const std::vector<SampleOutput> want = cpu::sample(x.data(), kVocab, kVocab, host_rows(params));
+  const auto* got = reinterpret_cast<const DeviceSampleResult*>(got_bytes.data());
+  int bad = 0;
+  for (int r = 0; r < rows; ++r) {
+    bool ok = got[r].token == want[r].token && std::fabs(got[r].logprob - want[r].logprob) <= 1e-4f;
+    for (size_t j = 0; j < want[r].top_logprobs.size(); ++j)
+      ok = ok && got[r].top_ids[j] == want[r].top_logprobs[j].first &&
+           std::fabs(got[r].top_logprobs[j] - want[r].top_logprobs[j].second) <= 1e-4f;
+    bad += !ok;
+  }
+  return bad;
+}
+
 std::vector<uint8_t> run_once(const SampleParams& base, int cluster) {
   DeviceArray<DeviceSampleResult> out(base.rows);
   out.poison(0);
@@ -77,20 +107,33 @@ int main() {
         const int copies = rotation_copies(bytes);
         std::vector<DeviceArray<float>> dx;
         for (int c = 0; c < copies; ++c) dx.emplace_back(x);
-        DeviceArray<DeviceSampleRow> dp(make_rows(rows, top_k, logprobs));
+        const std::vector<DeviceSampleRow> params = make_rows(rows, top_k, logprobs);
+        DeviceArray<DeviceSampleRow> dp(params);
         DeviceArray<DeviceSampleResult> out(rows);
         SampleParams base;
         base.ld = kVocab, base.rows = rows, base.vocab = kVocab, base.params = dp.get();
         base.logits = dx[0].get();
+        // Every check before any timing.
         const std::vector<uint8_t> want = run_once(base, 8);
-        double us[4] = {0, 0, 0, 0};
         for (int ci = 0; ci < 4; ++ci) {
           const int c = 2 << ci;
-          if (active[ci + 1] == 0) continue;  // a size this GPU cannot run
+          if (active[ci + 1] == 0 || c == 8) continue;  // a size this GPU cannot run; the baseline
           if (run_once(base, c) != want) {
             std::printf("CHECK FAILED: rows %d cluster %d differs from cluster 8\n", rows, c);
             all_ok = false;
           }
+        }
+        if (rows <= 64) {
+          const int bad = reference_mismatches(x, rows, params, want);
+          if (bad) {
+            std::printf("CHECK FAILED: rows %d: %d rows differ from the CPU reference\n", rows, bad);
+            all_ok = false;
+          }
+        }
+        double us[4] = {0, 0, 0, 0};
+        for (int ci = 0; ci < 4; ++ci) {
+          const int c = 2 << ci;
+          if (active[ci + 1] == 0) continue;  // a size this GPU cannot run
           us[ci] = time_graph_us(
               [&](cudaStream_t s, int copy) {
                 SampleParams p = base;
@@ -106,6 +149,7 @@ int main() {
       }
     }
   }
-  std::printf("\ncheck: %s\n", all_ok ? "every cluster size gave the same bytes" : "FAILED");
+  std::printf("\ncheck: %s\n", all_ok ? "every cluster size gave the same bytes; rows <= 64 match the CPU reference"
+                                       : "FAILED");
   return all_ok ? 0 : 1;
 }

@@ -19,6 +19,13 @@ namespace {
 // reference's f64 exps; ~1e-6 relative of |logprob| ~ 12 is ~1e-5; 1e-4 leaves margin.
 constexpr double kLogprobAbs = 1e-4;
 
+// kPeaked: a few strong tokens over a broad normal tail (a trained model); kFlat: normal sd 0.3 (a
+// random-weight model: top-p keeps most of the row, so the kernel's sparse passes select most tokens);
+// kCoarse: the peaked logits rounded to multiples of 0.5 (thousands of tokens tied at every key, the
+// top-k / top-p boundary inside a large tie, so the id passes run on many tokens); kFewFinite: 30
+// finite tokens, the rest -inf (top-k 50 is larger than the finite set).
+enum class Logits { kPeaked, kFlat, kCoarse, kFewFinite };
+
 struct SampleCase {
   std::string label;
   int rows = 4, vocab = 1000;
@@ -26,6 +33,7 @@ struct SampleCase {
   bool specials = false;    // ties, -inf and NaN entries
   bool edits = false;       // bias, bans and penalties on random tokens
   bool allowed = false;     // restrict_to_allowed to 40 random tokens
+  Logits logits = Logits::kPeaked;
   std::string name() const { return "SAMPLE(" + label + ",rows=" + std::to_string(rows) + ",vocab=" + std::to_string(vocab) + ")"; }
 };
 
@@ -37,12 +45,24 @@ SampleRow params(float t, int k = 0, float p = 1.0f, float min_p = 0.0f, int log
   return r;
 }
 
-// Logits like a language model's: a few strong tokens over a broad normal tail.
-std::vector<float> make_logits(Rng& rng, int rows, int vocab, int64_t ld) {
+// Logits like a language model's: a few strong tokens over a broad normal tail (other kinds: Logits).
+std::vector<float> make_logits(Rng& rng, int rows, int vocab, int64_t ld, Logits kind = Logits::kPeaked) {
   std::vector<float> x(static_cast<size_t>(rows) * ld, 0.0f);
   for (int r = 0; r < rows; ++r) {
-    for (int i = 0; i < vocab; ++i) x[r * ld + i] = rng.normal(2.0f);
-    for (int j = 0; j < 8; ++j) x[r * ld + rng.integer(0, vocab - 1)] += rng.uniform(4.0f, 12.0f);
+    float* row = x.data() + static_cast<size_t>(r) * ld;
+    if (kind == Logits::kFlat) {
+      for (int i = 0; i < vocab; ++i) row[i] = rng.normal(0.3f);
+      continue;
+    }
+    if (kind == Logits::kFewFinite) {
+      for (int i = 0; i < vocab; ++i) row[i] = -INFINITY;
+      for (int j = 0; j < 30; ++j) row[rng.integer(0, vocab - 1)] = rng.normal(2.0f);
+      continue;
+    }
+    for (int i = 0; i < vocab; ++i) row[i] = rng.normal(2.0f);
+    for (int j = 0; j < 8; ++j) row[rng.integer(0, vocab - 1)] += rng.uniform(4.0f, 12.0f);
+    if (kind == Logits::kCoarse)
+      for (int i = 0; i < vocab; ++i) row[i] = std::round(row[i] * 2.0f) * 0.5f;
   }
   return x;
 }
@@ -85,7 +105,7 @@ TEST_P(Sample, MatchesReference) {
   const SampleCase c = GetParam();
   Rng rng(seed_of(c.name()));
   const int64_t ld = c.vocab + 4;
-  std::vector<float> x = make_logits(rng, c.rows, c.vocab, ld);
+  std::vector<float> x = make_logits(rng, c.rows, c.vocab, ld, c.logits);
   if (c.specials) {
     x[5] = x[9] = 80.0f;                   // a tie at the top: the lower id is first
     if (c.rows > 1) x[ld + 0] = NAN, x[ld + 1] = -INFINITY;
@@ -142,6 +162,16 @@ std::vector<SampleCase> sample_cases() {
       {"topp-40rows", 40, kQwen, params(0.8f, 0, 0.9f, 0.0f, 2)},
       {"topk-topp-100rows", 100, 32000, params(1.0f, 64, 0.9f)},
       {"topp-300rows", 300, 4096, params(0.7f, 0, 0.8f, 0.0f, 4), true, true},
+      // The sparse passes (for_row_sparse) with most of the row selected, with large ties at the
+      // boundary (the id passes), and with top-k larger than the finite tokens.
+      {"topp-flat", 8, kQwen, params(0.8f, 0, 0.9f), false, false, false, Logits::kFlat},
+      {"topk-topp-logprobs-flat", 8, kQwen, params(0.8f, 50, 0.9f, 0.0f, 5), false, false, false, Logits::kFlat},
+      {"topp-edits-flat", 6, kQwen, params(0.8f, 0, 0.95f, 0.0f, 2), false, true, false, Logits::kFlat},
+      {"topp-coarse-ties", 8, kQwen, params(0.8f, 0, 0.9f, 0.0f, 3), false, false, false, Logits::kCoarse},
+      {"topk-coarse-ties", 8, 32000, params(1.0f, 50, 1.0f, 0.0f, 5), false, false, false, Logits::kCoarse},
+      {"topk-topp-coarse-ties", 6, 32000, params(0.7f, 300, 0.6f, 0.0f, 1), true, true, false, Logits::kCoarse},
+      {"topk-over-finite", 6, 32000, params(1.0f, 50, 0.9f, 0.0f, 3), false, false, false, Logits::kFewFinite},
+      {"topp-few-finite-minp", 6, kQwen, params(0.9f, 0, 0.99f, 0.1f, 4), true, false, false, Logits::kFewFinite},
   };
 }
 std::string sample_name(const ::testing::TestParamInfo<SampleCase>& i) { return gtest_safe(i.param.name()); }
@@ -156,10 +186,15 @@ INSTANTIATE_TEST_SUITE_P(SanitizeSample, Sample,
 TEST(SampleCluster, EveryClusterSizeGivesTheSameBytes) {
   MOELORA_REQUIRE_GPU();
   Rng rng(11);
-  const int V = 151936, R = 12;
+  const int V = 151936, R = 16;
   const int64_t ld = V;
-  std::vector<float> x = make_logits(rng, R, V, ld);
+  std::vector<float> x = make_logits(rng, 12, V, ld);
   for (int i = 0; i < V; i += 97) x[2 * ld + i] = 30.0f;  // a row of many ties at the top
+  // Rows 12, 13 flat (top-p keeps most of the row), 14, 15 coarse (large ties at every boundary).
+  for (const Logits kind : {Logits::kFlat, Logits::kCoarse}) {
+    const std::vector<float> more = make_logits(rng, 2, V, ld, kind);
+    x.insert(x.end(), more.begin(), more.end());
+  }
   std::vector<cuda::DeviceSampleRow> rows(R);
   for (int r = 0; r < R; ++r) {
     cuda::DeviceSampleRow& d = rows[r];

@@ -16,6 +16,8 @@ namespace moelora::cuda_plan {
 // not twice as fast as 8). Against the same run it picks the measured best at 1, 8, 64, 128 and
 // 256 rows; at 32 it picks 4 blocks (758 us) where 8 took 598 (two blocks sharing an SM slow each
 // other, which the model ignores). The smaller C on a tie (fewer waves). 2 if no size can run.
+// These row times predate the sparse passes (kernels/sampling.cu for_row_sparse) and the single
+// log-sum-exp accumulator of pass 1: the per-row cost changed, so they need re-measuring (dev/sampling.cu).
 int choose_sample_cluster(int rows, const std::array<int, 5>& max_active);
 
 }  // namespace moelora::cuda_plan

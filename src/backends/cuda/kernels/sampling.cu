@@ -13,7 +13,11 @@
 //
 // Every vocabulary loop (for_row) loads kUnroll values per thread before using them, so a pass
 // waits for memory once per kUnroll elements instead of once per element, and keeps whole warps
-// converged for the warp intrinsics of the histogram.
+// converged for the warp intrinsics of the histogram. Only the first pass over the row and the
+// first radix histogram touch every token with their full work; the later radix passes and the
+// Gumbel draw select few tokens (the boundary's digit prefix, the kept set), and for_row_sparse
+// queues those per warp so that their body (f64 exp and histogram update, or the Philox draw) runs
+// once per selected token rather than once per warp that holds one.
 #include <cooperative_groups.h>
 
 #include <cfloat>
@@ -41,6 +45,7 @@ constexpr unsigned kFull = 0xffffffffu;
 // A warp's histogram update adds masses group by group (warp reductions) while its lanes fall in at
 // most this many distinct bins, and lane by lane (shared atomics) beyond.
 constexpr int kMaxAggregatedGroups = 4;
+constexpr int kStage = kUnroll * 32 + 32;  // a warp's queue in for_row_sparse
 
 using sampling::order_key;
 
@@ -88,11 +93,16 @@ struct Smem {
   KeyId part_first[kMaxCluster];
   float part_pmax[kMaxCluster];
   Lse part_lse[kMaxCluster];
+  Lse part_own[kMaxCluster / kMinCluster];  // every block: its virtual blocks' parts, before the leader runs
   double part_key[kMaxCluster];
   int part_best[kMaxCluster];
   int n_top;
   uint32_t top_key[kMaxTopLogprobs];
   int top_id[kMaxTopLogprobs];
+  // Each warp's queue of the tokens a sparse pass selected (for_row_sparse): up to 31 carried over
+  // plus kUnroll * 32 new ones per step.
+  float stage_v[kWarps][kStage];
+  uint32_t stage_i[kWarps][kStage];
 };
 
 // Adds (count 1, mass q) of every active lane to this block's bin `bin`, one shared atomic per
@@ -146,6 +156,61 @@ __device__ __forceinline__ void for_row(const float* p, int vocab, int rank, F f
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) f(u, base + u * stride, v[u], base + u * stride < vocab);
   }
+}
+
+// The tokens of for_row for which `pred(i, v)` holds, handed to f(i, v, ok) 32 at a time: each warp
+// queues its selected tokens in shared memory (in order of selection) and calls f with all 32 lanes
+// (ok false on lanes without a token, in the last call only) whenever 32 are queued, then once more
+// for the rest. So f's work is paid per selected token, not per warp that holds one: a pass whose
+// predicate keeps 5 % of the row runs its body ~20x less often. f may use warp intrinsics. Which
+// lane sees which token differs from for_row; the callers' results do not depend on it (integer
+// sums, and the Gumbel winner is order-independent).
+template <int C, typename Pred, typename F>
+__device__ __forceinline__ void for_row_sparse(const float* p, int vocab, int rank, Smem& sm, Pred pred, F f) {
+  constexpr int stride = C * kThreads;
+  const int lane = threadIdx.x & 31;
+  const unsigned below = (1u << lane) - 1u;
+  float* qv = sm.stage_v[threadIdx.x >> 5];
+  uint32_t* qi = sm.stage_i[threadIdx.x >> 5];
+  int n = 0;  // queued tokens (the same in every lane)
+  for (int block_base = rank * kThreads; block_base < vocab; block_base += stride * kUnroll) {
+    const int base = block_base + static_cast<int>(threadIdx.x);
+    float v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * stride;
+      v[u] = i < vocab ? p[i] : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * stride;
+      const bool take = i < vocab && pred(i, v[u]);
+      const unsigned m = __ballot_sync(kFull, take);
+      if (take) {
+        const int slot = n + __popc(m & below);
+        qv[slot] = v[u], qi[slot] = static_cast<uint32_t>(i);
+      }
+      n += __popc(m);
+    }
+    if (n < 32) continue;
+    __syncwarp();
+    int r = 0;
+    for (; r + 32 <= n; r += 32) f(static_cast<int>(qi[r + lane]), qv[r + lane], true);
+    // Move the rest (< 32, from r >= 32) to the front of the queue.
+    n -= r;
+    float tv = 0.0f;
+    uint32_t ti = 0;
+    if (lane < n) tv = qv[r + lane], ti = qi[r + lane];
+    __syncwarp();
+    if (lane < n) qv[lane] = tv, qi[lane] = ti;
+    __syncwarp();
+  }
+  if (n > 0) {
+    __syncwarp();
+    const bool ok = lane < n;
+    f(ok ? static_cast<int>(qi[lane]) : 0, ok ? qv[lane] : 0.0f, ok);
+  }
+  __syncwarp();  // the queue is free for the next pass
 }
 
 // Walks the row's bins (from the best) to the one where the running total reaches L.need; leaves
@@ -207,21 +272,42 @@ __device__ void clear_row_histogram(Smem& L) {
 
 // One histogram pass over the row: this block's tokens for which `bin_of(i, v, &bin)` is true,
 // summed into the leader's (already clear) row histogram. Ends with the row histogram complete.
+// `sparse`: visit only the tokens bin_of selects (for_row_sparse), for passes that select a small
+// part of the row; otherwise every token (the first pass over the whole row, where all are).
 template <int C, typename Bin>
-__device__ void row_histogram(const float* p, int vocab, bool by_mass, float pmax, double inv_t, Smem& sm, Smem* L,
-                              cg::cluster_group& cluster, Bin bin_of) {
+__device__ void row_histogram(const float* p, int vocab, bool by_mass, float pmax, double inv_t, bool sparse, Smem& sm,
+                              Smem* L, cg::cluster_group& cluster, Bin bin_of) {
   for (int b = threadIdx.x; b < 256; b += kThreads) sm.cnt[b] = 0, sm.mass[b] = 0;
   __syncthreads();
-  for_row<C>(p, vocab, static_cast<int>(cluster.block_rank()), [&](int, int i, float v, bool in_range) {
-    bool act = false;
-    uint32_t bin = 0;
-    unsigned long long q = 0;
-    if (in_range) {
-      act = bin_of(i, v, &bin);
-      if (act && by_mass) q = sampling::mass_q32(v, pmax, inv_t);
-    }
-    hist_add(sm, act, bin, by_mass, q);
-  });
+  const int rank = static_cast<int>(cluster.block_rank());
+  if (sparse) {
+    for_row_sparse<C>(
+        p, vocab, rank, sm,
+        [&](int i, float v) {
+          uint32_t bin;
+          return bin_of(i, v, &bin);
+        },
+        [&](int i, float v, bool ok) {
+          uint32_t bin = 0;
+          unsigned long long q = 0;
+          if (ok) {
+            bin_of(i, v, &bin);
+            if (by_mass) q = sampling::mass_q32(v, pmax, inv_t);
+          }
+          hist_add(sm, ok, bin, by_mass, q);
+        });
+  } else {
+    for_row<C>(p, vocab, rank, [&](int, int i, float v, bool in_range) {
+      bool act = false;
+      uint32_t bin = 0;
+      unsigned long long q = 0;
+      if (in_range) {
+        act = bin_of(i, v, &bin);
+        if (act && by_mass) q = sampling::mass_q32(v, pmax, inv_t);
+      }
+      hist_add(sm, act, bin, by_mass, q);
+    });
+  }
   __syncthreads();
   for (int b = threadIdx.x; b < 256; b += kThreads) {
     if (sm.cnt[b]) atomicAdd(&L->row_cnt[b], sm.cnt[b]);
@@ -242,7 +328,9 @@ __device__ Cut radix_select(const float* p, int vocab, const Cut& outer, bool by
   uint32_t prefix = 0, mask = 0;
   for (int d = 3; d >= 0; --d) {
     const int shift = 8 * d;
-    row_histogram<C>(p, vocab, by_mass, pmax, inv_t, sm, L, cluster, [&](int i, float v, uint32_t* bin) {
+    // Only the first pass without an outer cut selects every token.
+    const bool sparse = d != 3 || outer.active;
+    row_histogram<C>(p, vocab, by_mass, pmax, inv_t, sparse, sm, L, cluster, [&](int i, float v, uint32_t* bin) {
       const uint32_t k = order_key(v);
       *bin = (k >> shift) & 255u;
       return (k & mask) == prefix && outer.inside(k, i);
@@ -290,7 +378,7 @@ __device__ Cut radix_select(const float* p, int vocab, const Cut& outer, bool by
   uint32_t id_prefix = 0, id_mask = 0;
   for (int d = 2; d >= 0; --d) {  // ids < 2^24
     const int shift = 8 * d;
-    row_histogram<C>(p, vocab, false, pmax, inv_t, sm, L, cluster, [&](int i, float v, uint32_t* bin) {
+    row_histogram<C>(p, vocab, false, pmax, inv_t, true, sm, L, cluster, [&](int i, float v, uint32_t* bin) {
       *bin = (static_cast<uint32_t>(i) >> shift) & 255u;
       return order_key(v) == prefix && outer.inside(prefix, i) && (static_cast<uint32_t>(i) & id_mask) == id_prefix;
     });
@@ -387,13 +475,14 @@ __global__ void __launch_bounds__(256) edit_kernel(ProcessParams p) {
 template <int C>
 __global__ void __launch_bounds__(kThreads, 2) sample_kernel(SampleParams p) {  // 2 blocks/SM: <= 64 registers
   constexpr int kVirtual = kMaxCluster / C;  // log-sum-exp virtual blocks held by each block
-  static_assert(C >= kMinCluster && kUnroll % kVirtual == 0, "a for_row step must cover whole rounds of virtual blocks");
+  static_assert(C >= kMinCluster, "more virtual blocks than part_own holds");
   __shared__ Smem sm;
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   Smem* L = cluster.map_shared_rank(&sm, 0);
   const int r = blockIdx.x / C;
-  const DeviceSampleRow row = p.params[r];
+  // Read where used (not held in registers through the kernel: it is held to 64 of them).
+  const DeviceSampleRow& row = p.params[r];
   const float* raw = p.logits + static_cast<int64_t>(r) * p.ld;
   const float* x = row.processed >= 0 ? p.processed + static_cast<int64_t>(row.processed) * p.vocab : raw;
   const int V = p.vocab;
@@ -403,43 +492,60 @@ __global__ void __launch_bounds__(kThreads, 2) sample_kernel(SampleParams p) {  
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 
   // Pass 1: the order's first token, the processed maximum, and the raw log-sum-exp, summed per
-  // virtual block: this thread's k-th token belongs to virtual block rank + (k % kVirtual) * C.
+  // virtual block: this block holds the virtual blocks rank + a * C (a < kVirtual), and thread t
+  // of virtual block b owns the tokens i = b * kThreads + t + m * kThreads * kMaxCluster. One sweep
+  // per virtual block (a single accumulator in registers, not kVirtual of them), each lane summing
+  // its tokens in increasing i as the partition prescribes.
   KeyId first{0, kAllIds};
   float pmax = -INFINITY;
-  Lse lse[kVirtual];
-#pragma unroll
-  for (int a = 0; a < kVirtual; ++a) lse[a] = Lse{-INFINITY, 0.0};
   const bool processed = x != raw;
-  for_row<C>(raw, V, rank, [&](int u, int i, float w, bool in_range) {
-    if (!in_range) return;
-    const float v = processed ? x[i] : w;
-    first = better(first, KeyId{order_key(v), static_cast<uint32_t>(i)});
-    if (v > pmax) pmax = v;
-    Lse& acc = lse[u % kVirtual];
-    if (w > -INFINITY) {
-      if (w > acc.m) {
-        acc.s = (acc.m == -INFINITY ? 0.0 : acc.s * static_cast<double>(expf(acc.m - w))) + 1.0;
-        acc.m = w;
-      } else {
-        acc.s += static_cast<double>(expf(w - acc.m));
+  for (int a = 0; a < kVirtual; ++a) {
+    constexpr int vstride = kThreads * kMaxCluster;
+    Lse acc{-INFINITY, 0.0};
+    for (int i0 = (rank + a * C) * kThreads + static_cast<int>(threadIdx.x); i0 < V; i0 += vstride * kUnroll) {
+      float wv[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = i0 + u * vstride;
+        wv[u] = i < V ? raw[i] : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = i0 + u * vstride;
+        if (i >= V) break;
+        const float w = wv[u];
+        const float v = processed ? x[i] : w;
+        first = better(first, KeyId{order_key(v), static_cast<uint32_t>(i)});
+        if (v > pmax) pmax = v;
+        if (w > -INFINITY) {
+          if (w > acc.m) {
+            acc.s = (acc.m == -INFINITY ? 0.0 : acc.s * static_cast<double>(expf(acc.m - w))) + 1.0;
+            acc.m = w;
+          } else {
+            acc.s += static_cast<double>(expf(w - acc.m));
+          }
+        }
       }
     }
-  });
+    const Lse part = block_lse(acc, sm);
+    if (threadIdx.x == 0) sm.part_own[a] = part;
+  }
   first = block_best(first, sm);
   pmax = block_reduce(pmax, sm.red_f, [](float a, float b) { return fmaxf(a, b); });
-  Lse parts[kVirtual];
-#pragma unroll
-  for (int a = 0; a < kVirtual; ++a) parts[a] = block_lse(lse[a], sm);
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
   if (threadIdx.x == 0)
-    for (int a = 0; a < kVirtual; ++a) L->part_lse[rank + a * C] = parts[a];
+    for (int a = 0; a < kVirtual; ++a) L->part_lse[rank + a * C] = sm.part_own[a];
   if (threadIdx.x == 0) L->part_first[rank] = first, L->part_pmax[rank] = pmax;
   cluster.sync();
   first = L->part_first[0], pmax = L->part_pmax[0];
   for (int b = 1; b < C; ++b) first = better(first, L->part_first[b]), pmax = fmaxf(pmax, L->part_pmax[b]);
-  Lse row_lse = L->part_lse[0];
-  for (int b = 1; b < kMaxCluster; ++b) row_lse = lse_merge(row_lse, L->part_lse[b]);  // fixed order
-  const double log_z = static_cast<double>(row_lse.m) + log(row_lse.s);
+  // The row's log-sum-exp is taken from the parts at the end, by the one thread that writes the
+  // results (the leader's parts stay in place).
+  const auto row_log_z = [&] {
+    Lse row_lse = L->part_lse[0];
+    for (int b = 1; b < kMaxCluster; ++b) row_lse = lse_merge(row_lse, L->part_lse[b]);  // fixed order
+    return static_cast<double>(row_lse.m) + log(row_lse.s);
+  };
 
   int token = static_cast<int>(first.id);
   if (row.temperature > 0.0f) {
@@ -453,20 +559,27 @@ __global__ void __launch_bounds__(kThreads, 2) sample_kernel(SampleParams p) {  
     // tokens whose f32 estimate is within kGumbelMargin of the best estimate this thread has seen:
     // the row's winner always is (see gumbel_estimate), and the winner among the evaluated tokens
     // is taken on exact keys, so the result is the reference's.
-    const double min_q = static_cast<double>(row.min_p) * 4294967296.0;
+    const float min_p = row.min_p;
+    const uint64_t seed = row.seed, step = row.step;
+    const double min_q = static_cast<double>(min_p) * 4294967296.0;
     double best_key = -DBL_MAX, best_estimate = -DBL_MAX;
     int best = INT_MAX;
-    for_row<C>(x, V, rank, [&](int, int i, float v, bool in_range) {
-      if (!in_range || !isfinite(v)) return;
-      const uint32_t k = order_key(v);
-      if (!cut_k.inside(k, i) || !cut_p.inside(k, i)) return;
-      if (row.min_p > 0.0f && static_cast<double>(sampling::mass_q32(v, pmax, inv_t)) < min_q) return;
-      const double u = sampling::uniform(row.seed, row.step, static_cast<uint32_t>(i));
-      const double estimate = __dadd_rn(__dmul_rn(static_cast<double>(v), inv_t), gumbel_estimate(u));
-      if (estimate < best_estimate - kGumbelMargin) return;
-      best_estimate = fmax(best_estimate, estimate);
-      best_merge(best_key, best, sampling::gumbel_key_of(v, inv_t, u), i);
-    });
+    // Only the kept tokens are visited (for_row_sparse): the Philox draw is paid per kept token.
+    for_row_sparse<C>(
+        x, V, rank, sm,
+        [&](int i, float v) {
+          const uint32_t k = order_key(v);
+          return isfinite(v) && cut_k.inside(k, i) && cut_p.inside(k, i);
+        },
+        [&](int i, float v, bool ok) {
+          if (!ok) return;
+          if (min_p > 0.0f && static_cast<double>(sampling::mass_q32(v, pmax, inv_t)) < min_q) return;
+          const double u = sampling::uniform(seed, step, static_cast<uint32_t>(i));
+          const double estimate = __dadd_rn(__dmul_rn(static_cast<double>(v), inv_t), gumbel_estimate(u));
+          if (estimate < best_estimate - kGumbelMargin) return;
+          best_estimate = fmax(best_estimate, estimate);
+          best_merge(best_key, best, sampling::gumbel_key_of(v, inv_t, u), i);
+        });
     for (int o = 16; o > 0; o >>= 1)
       best_merge(best_key, best, __shfl_xor_sync(kFull, best_key, o), __shfl_xor_sync(kFull, best, o));
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -502,6 +615,7 @@ __global__ void __launch_bounds__(kThreads, 2) sample_kernel(SampleParams p) {  
     });
     cluster.sync();
     if (rank == 0 && threadIdx.x == 0) {
+      const double log_z = row_log_z();
       const int m = min(sm.n_top, n);
       for (int a = 1; a < m; ++a)  // insertion sort by (key desc, id asc)
         for (int b = a; b > 0; --b) {
@@ -521,7 +635,7 @@ __global__ void __launch_bounds__(kThreads, 2) sample_kernel(SampleParams p) {  
   }
   if (rank == 0 && threadIdx.x == 0) {
     out->token = token;
-    out->logprob = static_cast<float>(static_cast<double>(raw[token]) - log_z);
+    out->logprob = static_cast<float>(static_cast<double>(raw[token]) - row_log_z());
   }
   cluster.sync();  // no block leaves while another may still read or write its shared memory
 }
