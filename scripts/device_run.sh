@@ -11,9 +11,13 @@
 #            the grouped GEMMs at 256 tokens in both regimes
 #   wgmma    the Hopper grouped GEMM (TMA + wgmma) against the CPU and mma.sync, both timed per
 #            tile and batch, prefill; an ncu profile of it at 256 tokens
+#   split    the wgmma MoE op-suite cases and `dev_moe_bench split` (e4m3 x e4m3 wgmmas: W8A16 with
+#            split-form activations, W8A8) against the CPU and the other kernels, timed
 #   moeops   the MoE op-suite cases only (every kernel of the MoE layer vs the CPU reference)
 #   moefull  the whole MoE workbench (every table of bench/RESULTS.md's MoE section)
 #   sampler  the sampling op tests and the sampler workbench (cluster size x rows x logits)
+#   attn     the attention op tests, memcheck and racecheck on their sanitize cases, the attention
+#            workbench (decode kernels x batch x context, prefill)
 #   nvfp4refs the float64 Hugging Face references of the NVFP4 fixtures (python3 with torch,
 #            transformers 5.17, peft 0.21: the H200 machine has them), archived to
 #            $OUT/nvfp4_fixtures.tar to be committed; run it before verify so that verify covers
@@ -106,6 +110,17 @@ for stage in $stages; do
     echo "== sampler workbench"
     timeout 240 ./.device/dev_sampling > $out/sampling_bench.log 2>&1; echo "exit $?"
     cat $out/sampling_bench.log ;;
+  attn)
+    echo "== attention op tests"
+    timeout 200 ./.device/moelora_op_suite --gtest_brief=1 --gtest_filter='*Attn*:*Attention*' > $out/op_suite_attn.log 2>&1
+    echo "exit $?"; grep -E "FAILED|PASSED|Failure" $out/op_suite_attn.log | head -20; tail -3 $out/op_suite_attn.log
+    for tool in memcheck racecheck; do
+      timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 ./.device/moelora_op_suite --gtest_filter='SanitizeAttn*' \
+        > $out/${tool}_attn.log 2>&1; echo "$tool attention exit $?"; tail -2 $out/${tool}_attn.log
+    done
+    echo "== attention workbench"
+    timeout 300 ./.device/dev_attention > $out/attention_bench.log 2>&1; echo "exit $?"
+    cat $out/attention_bench.log ;;
   wgmma)
     echo "== MoE workbench (wgmma)"
     timeout 300 ./.device/dev_moe_bench wgmma > $out/moe_bench_wgmma.log 2>&1; echo "exit $?"
@@ -119,6 +134,13 @@ for stage in $stages; do
           $out/ncu_wgmma_T256_tile$tl.log | head -24
       done
     fi ;;
+  split)
+    echo "== op suite, wgmma MoE cases (dequantising, split form, W8A8)"
+    timeout 300 ./.device/moelora_op_suite --gtest_brief=1 --gtest_filter='Moe*wgmma*:MoeSanitize*' > $out/op_suite_split.log 2>&1
+    echo "exit $?"; grep -E "FAILED|PASSED|Failure" $out/op_suite_split.log | head -30; tail -3 $out/op_suite_split.log
+    echo "== MoE workbench (split)"
+    timeout 300 ./.device/dev_moe_bench split > $out/moe_bench_split.log 2>&1; echo "exit $?"
+    grep -v "^T=" $out/moe_bench_split.log ;;
   moeops)
     echo "== op suite, MoE cases"
     timeout 300 ./.device/moelora_op_suite --gtest_brief=1 --gtest_filter='Moe*' > $out/op_suite_moe.log 2>&1; echo "exit $?"
