@@ -185,6 +185,8 @@ struct Attn {
 
 template <int DV>
 __global__ void attn_combine_kernel(const __grid_constant__ KParams p) {
+  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_trigger();
   const int tok = blockIdx.x / p.a.heads, h = blockIdx.x % p.a.heads;
   const int n = p.a.positions[tok] + 1;
   const int ns = cuda_plan::attention_token_split(n, p.max_splits).count;
@@ -206,6 +208,8 @@ __global__ void attn_combine_kernel(const __grid_constant__ KParams p) {
 // ---- prefill: block = (item of consecutive tokens of one sequence, kv head, row chunk)
 template <int DK, int DV>
 __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(const __grid_constant__ KParams p) {
+  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_trigger();
   using A = Attn<DK, DV>;
   const int first = p.items[2 * blockIdx.x], count = p.items[2 * blockIdx.x + 1];
   const int kvh = blockIdx.y;
@@ -254,6 +258,8 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(const __grid_con
 
 // ---- cache write: one block per token.
 __global__ void kv_write_kernel(const __grid_constant__ KParams p) {
+  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_trigger();
   const int tok = blockIdx.x;
   const int seq_base = p.a.page_indptr[p.a.token_seq[tok]];
   const int64_t row = cache_row(p, seq_base, p.a.positions[tok]);
@@ -291,14 +297,14 @@ void launch_dims(const KParams& k, const AttentionPlan& plan, cudaStream_t strea
     attention_prepare();
     launch_decode<DK, DV>(k, stream);
     if (plan.max_splits > 1) {
-      attn_combine_kernel<DV><<<a.T * a.heads, 128, 0, stream>>>(k);
+      launch_pdl(attn_combine_kernel<DV>, dim3(a.T * a.heads), dim3(128), 0, stream, k);
       MOELORA_CUDA_CHECK_LAUNCH();
     }
   } else {
     if (plan.num_items == 0) return;
     const int zc = (plan.rows_per_item_tokens * k.group + kPrefillRows - 1) / kPrefillRows;
     const dim3 grid(plan.num_items, a.kv_heads, zc);
-    attn_prefill_kernel<DK, DV><<<grid, kThreads, 0, stream>>>(k);
+    launch_pdl(attn_prefill_kernel<DK, DV>, dim3(grid), dim3(kThreads), 0, stream, k);
     MOELORA_CUDA_CHECK_LAUNCH();
   }
 }
@@ -396,7 +402,7 @@ void launch_kv_cache_write(const AttentionParams& a, cudaStream_t stream) {
   if (a.T == 0) return;
   AttentionPlan none;
   const KParams k = make_params(a, none, nullptr, nullptr);
-  kv_write_kernel<<<a.T, 128, 0, stream>>>(k);
+  launch_pdl(kv_write_kernel, dim3(a.T), dim3(128), 0, stream, k);
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 

@@ -100,6 +100,8 @@ __device__ __forceinline__ void issue_tile(const KParams& p, int seq_base, int k
 
 template <int DK, int DV, int NT>
 __global__ void __launch_bounds__(kThreads) attn_decode_cols_kernel(const __grid_constant__ KParams p) {
+  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_trigger();
   using C = Cols<DK, DV, NT>;
   extern __shared__ __align__(16) unsigned char s_dyn[];
   const int tok = blockIdx.y;
@@ -286,7 +288,7 @@ void launch_cols(const KParams& k, cudaStream_t stream) {
                     "decode attention: the plan's shared-memory model disagrees with the kernel");
   MOELORA_CHECK(cuda_plan::attention_decode_heads_per_block(k.group) == C::HEADS);
   const dim3 grid(k.a.kv_heads * k.head_tiles, k.a.T, k.max_splits);
-  attn_decode_cols_kernel<DK, DV, NT><<<grid, kThreads, smem, stream>>>(kp);
+  launch_pdl(attn_decode_cols_kernel<DK, DV, NT>, dim3(grid), dim3(kThreads), smem, stream, kp);
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 

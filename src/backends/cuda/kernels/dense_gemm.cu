@@ -132,6 +132,12 @@ __global__ void __launch_bounds__(kBlockThreads) dense_small_m_kernel(SmallMPara
   auto run_of = [&](int kb) { return kb * kKBlock + t * 32; };
   WeightRun<kFp8> cur, nxt;
   if (kw < kblocks) load_weight_run<kFp8>(p, r0, r1, v0, v1, run_of(kw), run_of(kw) < p.K, cur);
+  // The weights and scales are constants of the model, so the first run is requested before the
+  // wait for the previous kernel (see launch_pdl in cuda_utils.cuh): its DRAM round trip overlaps
+  // that kernel's tail. Everything that kernel may write (x, y) is touched only after the wait,
+  // which every block reaches (no early exit above).
+  pdl_wait();
+  pdl_trigger();
   for (int kb = kw; kb < kblocks; kb += k_warps) {
     const int kc = run_of(kb);
     const bool kv = kc < p.K;  // K % 32 == 0: a lane's run is all in or all out
@@ -204,6 +210,8 @@ __global__ void __launch_bounds__(kBlockThreads) dense_small_m_kernel(SmallMPara
 
 // Naive reference: one warp per (token, output row), dequantising as it goes.
 __global__ void dense_naive_kernel(SmallMParams p, bool fp8) {
+  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_trigger();
   const int64_t wid = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (wid >= static_cast<int64_t>(p.M) * p.N) return;
   const int tok = static_cast<int>(wid / p.N), n = static_cast<int>(wid % p.N);
@@ -250,9 +258,9 @@ void launch_mt(const SmallMParams& p, int rg, int kw, cudaStream_t stream) {
   const size_t smem = static_cast<size_t>(rg * kw) * 16 * MT * 8 * sizeof(float);
   const int threads = 32 * rg * kw;
   switch (rg) {
-    case 1: dense_small_m_kernel<kFp8, MT, 1><<<grid, threads, smem, stream>>>(p); break;
-    case 2: dense_small_m_kernel<kFp8, MT, 2><<<grid, threads, smem, stream>>>(p); break;
-    case 4: dense_small_m_kernel<kFp8, MT, 4><<<grid, threads, smem, stream>>>(p); break;
+    case 1: launch_pdl(dense_small_m_kernel<kFp8, MT, 1>, dim3(grid), dim3(threads), smem, stream, p); break;
+    case 2: launch_pdl(dense_small_m_kernel<kFp8, MT, 2>, dim3(grid), dim3(threads), smem, stream, p); break;
+    case 4: launch_pdl(dense_small_m_kernel<kFp8, MT, 4>, dim3(grid), dim3(threads), smem, stream, p); break;
     default: MOELORA_CHECK_MSG(false, "dense: row_groups must be 1, 2 or 4");
   }
 }
@@ -273,7 +281,7 @@ void launch_dense_naive(const DenseArgs& a, cudaStream_t stream) {
   const SmallMParams p = to_params(a);
   if (a.M == 0 || a.w.out == 0) return;
   const int64_t warps = static_cast<int64_t>(a.M) * a.w.out;
-  dense_naive_kernel<<<static_cast<unsigned>(ceil_div64(warps, 8)), 256, 0, stream>>>(p, a.w.type == WeightType::kFP8E4M3);
+  launch_pdl(dense_naive_kernel, dim3(static_cast<unsigned>(ceil_div64(warps, 8))), dim3(256), 0, stream, p, a.w.type == WeightType::kFP8E4M3);
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 

@@ -23,6 +23,8 @@ int grid_for(int64_t work, int threads) {
 
 // ---- embedding
 __global__ void embed_kernel(EmbedParams p, bool vec) {
+  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_trigger();
   const int t = blockIdx.x;
   const int id = p.ids[t];
   const bool ok = id >= 0 && id < p.vocab;
@@ -43,6 +45,8 @@ __global__ void embed_kernel(EmbedParams p, bool vec) {
 constexpr int kSmallGroupMax = 256;
 
 __global__ void rmsnorm_warp_kernel(RmsNormParams p) {
+  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_trigger();
   const int groups_per_row = p.cols / p.group;
   const int64_t gid = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (gid >= static_cast<int64_t>(p.T) * groups_per_row) return;
@@ -69,6 +73,8 @@ __global__ void rmsnorm_warp_kernel(RmsNormParams p) {
 }
 
 __global__ void rmsnorm_block_kernel(RmsNormParams p, bool vec) {
+  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_trigger();
   const int groups_per_row = p.cols / p.group;
   const int64_t t = blockIdx.x / groups_per_row;
   const int g0 = static_cast<int>(blockIdx.x % groups_per_row) * p.group;
@@ -118,6 +124,8 @@ __global__ void rmsnorm_block_kernel(RmsNormParams p, bool vec) {
 
 // ---- RoPE: one thread per (token, pair); cos/sin computed once and applied to every head.
 __global__ void rope_kernel(RopeParams p) {
+  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_trigger();
   const int half = p.rot_dim / 2;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= static_cast<int64_t>(p.T) * half) return;
@@ -144,6 +152,8 @@ __global__ void rope_kernel(RopeParams p) {
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
 __global__ void silu_mul_kernel(SiluMulParams p, bool vec) {
+  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_trigger();
   const int step = vec ? 8 : 1;
   const int per_row = ceil_div(p.cols, step);
   const int64_t n = static_cast<int64_t>(p.T) * per_row;
@@ -169,6 +179,8 @@ __global__ void silu_mul_kernel(SiluMulParams p, bool vec) {
 }
 
 __global__ void add_kernel(AddParams p, bool vec) {
+  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_trigger();
   const int step = vec ? 8 : 1;
   const int per_row = ceil_div(p.cols, step);
   const int64_t n = static_cast<int64_t>(p.T) * per_row;
@@ -195,6 +207,8 @@ __global__ void add_kernel(AddParams p, bool vec) {
 
 template <typename In, typename Out>
 __global__ void convert_kernel(ConvertParams p) {
+  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_trigger();
   const int64_t n = static_cast<int64_t>(p.T) * p.cols;
   const In* in = static_cast<const In*>(p.in);
   Out* out = static_cast<Out*>(p.out);
@@ -214,6 +228,8 @@ __global__ void convert_kernel(ConvertParams p) {
 template <typename Unit>
 __global__ void gather_rows_kernel(GatherRowsParams p, int units_per_row, int64_t ld_x_units,
                                    int64_t ld_out_units) {
+  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_trigger();
   const int r = blockIdx.x;
   const Unit* src = static_cast<const Unit*>(p.x) + static_cast<int64_t>(p.rows[r]) * ld_x_units;
   Unit* dst = static_cast<Unit*>(p.out) + r * ld_out_units;
@@ -222,6 +238,8 @@ __global__ void gather_rows_kernel(GatherRowsParams p, int units_per_row, int64_
 
 // ---- MLA k/v split: one block per token.
 __global__ void mla_split_kv_kernel(MlaSplitKvParams p) {
+  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_trigger();
   const int64_t t = blockIdx.x;
   const bf16* src = p.kv + t * p.ld_kv;
   const bf16* pe = p.k_pe + t * p.ld_k_pe;
@@ -243,7 +261,7 @@ __global__ void mla_split_kv_kernel(MlaSplitKvParams p) {
 void launch_embed(const EmbedParams& p, cudaStream_t stream) {
   if (p.T == 0) return;
   const bool vec = vec8_ok(p.table, p.hidden, p.out, p.ld_out, p.hidden);
-  embed_kernel<<<p.T, 128, 0, stream>>>(p, vec);
+  launch_pdl(embed_kernel, dim3(p.T), dim3(128), 0, stream, p, vec);
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 
@@ -253,11 +271,11 @@ void launch_rmsnorm(const RmsNormParams& p, cudaStream_t stream) {
   const int64_t groups = static_cast<int64_t>(p.T) * (p.cols / p.group);
   if (p.group <= kSmallGroupMax) {
     const int warps = 4;
-    rmsnorm_warp_kernel<<<static_cast<unsigned>(ceil_div64(groups, warps)), warps * 32, 0, stream>>>(p);
+    launch_pdl(rmsnorm_warp_kernel, dim3(static_cast<unsigned>(ceil_div64(groups, warps))), dim3(warps * 32), 0, stream, p);
   } else {
     const bool vec = vec8_ok(p.x, p.ld_x, p.out, p.ld_out, p.group) && p.group % 8 == 0 &&
                      (reinterpret_cast<uintptr_t>(p.w) & 15u) == 0;
-    rmsnorm_block_kernel<<<static_cast<unsigned>(groups), kThreads, 0, stream>>>(p, vec);
+    launch_pdl(rmsnorm_block_kernel, dim3(static_cast<unsigned>(groups)), dim3(kThreads), 0, stream, p, vec);
   }
   MOELORA_CUDA_CHECK_LAUNCH();
 }
@@ -266,7 +284,7 @@ void launch_rope(const RopeParams& p, cudaStream_t stream) {
   MOELORA_CHECK(p.rot_dim % 2 == 0 && p.rot_offset + p.rot_dim <= p.head_stride);
   if (p.T == 0 || p.rot_dim == 0) return;
   const int64_t n = static_cast<int64_t>(p.T) * (p.rot_dim / 2);
-  rope_kernel<<<static_cast<unsigned>(ceil_div64(n, 128)), 128, 0, stream>>>(p);
+  launch_pdl(rope_kernel, dim3(static_cast<unsigned>(ceil_div64(n, 128))), dim3(128), 0, stream, p);
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 
@@ -274,7 +292,7 @@ void launch_silu_mul(const SiluMulParams& p, cudaStream_t stream) {
   if (p.T == 0 || p.cols == 0) return;
   const bool vec = vec8_ok(p.gate, p.ld_gate, p.up, p.ld_up, p.cols) && vec8_ok(p.out, p.ld_out, p.out, p.ld_out, p.cols);
   const int64_t n = static_cast<int64_t>(p.T) * ceil_div(p.cols, vec ? 8 : 1);
-  silu_mul_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(p, vec);
+  launch_pdl(silu_mul_kernel, dim3(grid_for(n, kThreads)), dim3(kThreads), 0, stream, p, vec);
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 
@@ -282,7 +300,7 @@ void launch_add(const AddParams& p, cudaStream_t stream) {
   if (p.T == 0 || p.cols == 0) return;
   const bool vec = vec8_ok(p.x, p.ld_x, p.inout, p.ld_inout, p.cols);
   const int64_t n = static_cast<int64_t>(p.T) * ceil_div(p.cols, vec ? 8 : 1);
-  add_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(p, vec);
+  launch_pdl(add_kernel, dim3(grid_for(n, kThreads)), dim3(kThreads), 0, stream, p, vec);
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 
@@ -294,30 +312,30 @@ void launch_gather_rows(const GatherRowsParams& p, cudaStream_t stream) {
   const bool v16 = row_bytes % 16 == 0 && ldx_b % 16 == 0 && ldo_b % 16 == 0 &&
                    (reinterpret_cast<uintptr_t>(p.x) & 15u) == 0 && (reinterpret_cast<uintptr_t>(p.out) & 15u) == 0;
   if (v16) {
-    gather_rows_kernel<uint4><<<p.R, 128, 0, stream>>>(p, static_cast<int>(row_bytes / 16), ldx_b / 16, ldo_b / 16);
+    launch_pdl(gather_rows_kernel<uint4>, dim3(p.R), dim3(128), 0, stream, p, static_cast<int>(row_bytes / 16), ldx_b / 16, ldo_b / 16);
   } else if (p.elem_bytes == 4) {
-    gather_rows_kernel<uint32_t><<<p.R, 128, 0, stream>>>(p, p.cols, p.ld_x, p.ld_out);
+    launch_pdl(gather_rows_kernel<uint32_t>, dim3(p.R), dim3(128), 0, stream, p, p.cols, p.ld_x, p.ld_out);
   } else {
-    gather_rows_kernel<uint16_t><<<p.R, 128, 0, stream>>>(p, p.cols, p.ld_x, p.ld_out);
+    launch_pdl(gather_rows_kernel<uint16_t>, dim3(p.R), dim3(128), 0, stream, p, p.cols, p.ld_x, p.ld_out);
   }
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 
 void launch_mla_split_kv(const MlaSplitKvParams& p, cudaStream_t stream) {
   if (p.T == 0) return;
-  mla_split_kv_kernel<<<p.T, 128, 0, stream>>>(p);
+  launch_pdl(mla_split_kv_kernel, dim3(p.T), dim3(128), 0, stream, p);
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 
 void launch_bf16_to_f32(const ConvertParams& p, cudaStream_t stream) {
   if (p.T == 0 || p.cols == 0) return;
-  convert_kernel<bf16, float><<<grid_for(static_cast<int64_t>(p.T) * p.cols, kThreads), kThreads, 0, stream>>>(p);
+  launch_pdl(convert_kernel<bf16, float>, dim3(grid_for(static_cast<int64_t>(p.T) * p.cols, kThreads)), dim3(kThreads), 0, stream, p);
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 
 void launch_f32_to_bf16(const ConvertParams& p, cudaStream_t stream) {
   if (p.T == 0 || p.cols == 0) return;
-  convert_kernel<float, bf16><<<grid_for(static_cast<int64_t>(p.T) * p.cols, kThreads), kThreads, 0, stream>>>(p);
+  launch_pdl(convert_kernel<float, bf16>, dim3(grid_for(static_cast<int64_t>(p.T) * p.cols, kThreads)), dim3(kThreads), 0, stream, p);
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 
