@@ -26,6 +26,7 @@ struct Args {
   std::string config;
   BackendOptions backend;
   int layers = 0;
+  std::string mla = "auto";  // DeepSeek MLA's form: a parse_mla_mode spelling (checked by the option)
   std::vector<int> batches = {1, 8, 64, 128};
   std::vector<int> adapters = {0, 1, 8};
   int rank = 16;
@@ -151,7 +152,9 @@ int run(Args a) {
     return 2;
   }
   Backend& b = **backend;
-  auto made = Model::random(c, b, 7);  // refused when the backend's kernels cannot take the shapes
+  ModelOptions mopts;
+  mopts.mla = *parse_mla_mode(a.mla);  // --mla admits only the three spellings
+  auto made = Model::random(c, b, 7, mopts);  // refused when the backend's kernels cannot take the shapes
   if (!made.ok()) {
     std::fprintf(stderr, "moelora bench: %s\n", made.status().message().c_str());
     return 2;
@@ -160,7 +163,7 @@ int run(Args a) {
   const int max_n = *std::max_element(a.adapters.begin(), a.adapters.end());
   // The random adapters go straight into backend slots: their count and rank meet the kernels'
   // limits here, not in an abort.
-  ModelShapes with_adapters = model_shapes(c);
+  ModelShapes with_adapters = model->shapes();
   with_adapters.lora_slots = std::max(1, max_n);
   with_adapters.max_lora_rank = a.rank;
   if (Status st = b.check_model_shapes(with_adapters); !st.ok()) {
@@ -174,6 +177,14 @@ int run(Args a) {
   std::printf("bench: %s (%s), %d layers, backend %s, %s, rank %d, context %d, floor at %.1f TB/s\n",
               arch_name(c.arch), path.c_str(), c.num_layers, b.name().c_str(), c.weight_format.describe().c_str(), a.rank,
               a.context, a.hbm_tbps);
+  // What one token costs in the KV cache (the cache's dtype is the backend's activation type).
+  const KvShape kvs = model->kv_shape();
+  const std::string mla_form = !c.is_mla() ? "" : model->mla_absorbed() ? "absorbed" : "decompressed";
+  const double kv_token_bytes =
+      static_cast<double>(kvs.values_per_token()) * c.num_layers * dtype_size(b.act_dtype());
+  std::printf("kv cache: %lld values per token per layer%s, %.1f KiB per token over %d layers\n",
+              static_cast<long long>(kvs.values_per_token()), mla_form.empty() ? "" : (" (MLA " + mla_form + ")").c_str(),
+              kv_token_bytes / 1024.0, c.num_layers);
   // step_us: forward + seeded top-p sampling, synchronous (as the engine steps); logits_us: the
   // same without sampling; kernel_us: device time per step with steps queued back to back;
   // host_us: step time the host was not waiting for the device; x_logits: sampling's cost.
@@ -245,7 +256,8 @@ int run(Args a) {
       append_record(a.json,
                     {{"bench", "decode_step"}, {"model", model_name},
                      {"config", path}, {"layers", c.num_layers}, {"backend", b.name()},
-                     {"graphs", a.backend.cuda_graphs}, {"batch", B}, {"adapters", N}, {"rank", a.rank},
+                     {"graphs", a.backend.cuda_graphs}, {"mla", mla_form}, {"kv_bytes_per_token", kv_token_bytes},
+                     {"batch", B}, {"adapters", N}, {"rank", a.rank},
                      {"context", a.context}, {"sampling", "temperature 0.8, top_p 0.9, seeded"},
                      {"step_us", med}, {"logits_us", logits_only.wall_us}, {"kernel_us", kernels.wall_us},
                      {"host_us", sampled.host_us}, {"floor_us", floor_us}, {"x_floor", med / floor_us},
@@ -262,7 +274,8 @@ int run(Args a) {
         std::printf("%6s prefill %d x %d tokens: %.1f us, %.0f tok/s\n", "", B, a.prefill, pu, B * a.prefill / (pu * 1e-6));
         append_record(a.json,
                       {{"bench", "prefill"}, {"model", model_name}, {"config", path},
-                       {"layers", c.num_layers}, {"backend", b.name()}, {"batch", B}, {"prompt_tokens", a.prefill},
+                       {"layers", c.num_layers}, {"backend", b.name()}, {"mla", mla_form}, {"batch", B},
+                       {"prompt_tokens", a.prefill},
                        {"adapters", N}, {"rank", a.rank}, {"step_us", pu}, {"tok_s", B * a.prefill / (pu * 1e-6)}},
                       b.device_description());
       }
@@ -280,6 +293,11 @@ void register_bench(CLI::App& app, int& exit_code) {
   cmd->add_option("--backend", a->backend.name, "cpu or cuda")->capture_default_str();
   add_cuda_backend_flags(cmd, a->backend);
   cmd->add_option("--layers", a->layers, "use only the first N layers (models larger than one GPU)");
+  cmd->add_option("--mla", a->mla,
+                  "MLA attention (DeepSeek-V3): auto (absorbed where the backend has it), decompressed or absorbed")
+      ->check(CLI::IsMember({mla_mode_name(MlaMode::kAuto), mla_mode_name(MlaMode::kDecompressed),
+                             mla_mode_name(MlaMode::kAbsorbed)}))
+      ->capture_default_str();
   cmd->add_option("--batch", a->batches, "decode batch sizes")->delimiter(',')->capture_default_str();
   cmd->add_option("--adapters", a->adapters, "distinct adapters per batch (0 = base)")->delimiter(',')->capture_default_str();
   cmd->add_option("--rank", a->rank, "LoRA rank on every linear layer incl. experts")->capture_default_str();

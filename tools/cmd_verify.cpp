@@ -2,7 +2,7 @@
 // fixtures, every case of a checkpoint in one batch that mixes all adapters and the base model. With
 // tp x ep > 1 on the CPU the batch runs through the sharded forward (src/parallel: tp x ep ranks
 // as threads), which must meet the same bounds as the single-device path. --mla picks DeepSeek's
-// attention form (model.h MlaMode; auto = absorbed on the CPU, decompressed on CUDA).
+// attention form (model.h MlaMode; auto = absorbed on the CPU and on CUDA).
 #include <cstdio>
 
 #include <fmt/format.h>

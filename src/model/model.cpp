@@ -68,7 +68,7 @@ RopeTable make_rope_table(const ModelConfig& cfg) {
   return t;
 }
 
-ModelShapes model_shapes(const ModelConfig& cfg) {
+ModelShapes model_shapes(const ModelConfig& cfg, bool mla_absorbed) {
   ModelShapes s;
   s.arch = cfg.model_type;
   s.hidden = cfg.hidden_size;
@@ -79,6 +79,10 @@ ModelShapes model_shapes(const ModelConfig& cfg) {
   s.v_head_dim = cfg.attn_v_head_dim();
   s.rope_dim = cfg.rope.rot_dim;
   s.rope_offset = cfg.is_mla() ? cfg.qk_nope_head_dim : 0;  // forward_pass rotates q after the nope dims
+  if (cfg.is_mla()) {
+    s.kv_lora_rank = cfg.kv_lora_rank;
+    s.mla_absorbed = mla_absorbed;
+  }
   const bool any_moe = std::find(cfg.layer_is_moe.begin(), cfg.layer_is_moe.end(), true) != cfg.layer_is_moe.end();
   if (any_moe) {
     s.num_experts = cfg.num_experts;
@@ -136,10 +140,11 @@ Status Model::choose_mla_form(const ModelOptions& opts) {
 
 Result<std::unique_ptr<Model>> Model::load(const std::string& dir, Backend& backend, const ModelOptions& opts) {
   MOELORA_ASSIGN_OR_RETURN(ModelConfig cfg, load_model_config(dir));
-  // Before the checkpoint is read: a refusal costs nothing and names the limit.
-  MOELORA_RETURN_IF_ERROR(backend.check_model_shapes(model_shapes(cfg)).with_context(dir + ": "));
   std::unique_ptr<Model> m(new Model(cfg, dir, backend));
+  // Before the checkpoint is read: a refusal costs nothing and names the limit. The MLA form comes
+  // first, as the kernels that will run decide the limits.
   MOELORA_RETURN_IF_ERROR(m->choose_mla_form(opts).with_context(dir + ": "));
+  MOELORA_RETURN_IF_ERROR(backend.check_model_shapes(m->shapes()).with_context(dir + ": "));
   MOELORA_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::open(dir));
   MOELORA_ASSIGN_OR_RETURN(m->weights_, load_model_weights(ck, cfg, backend));
   m->rope_ = make_rope_table(cfg);

@@ -42,14 +42,15 @@ struct KvShape {
 };
 KvShape kv_shape(const ModelConfig& cfg, bool mla_absorbed);
 
-// The shapes Backend::check_model_shapes judges (adapter capacity left 0: the engine adds it).
-ModelShapes model_shapes(const ModelConfig& cfg);
+// The shapes Backend::check_model_shapes judges (adapter capacity left 0: the engine adds it), for
+// a model running MLA in the absorbed form or not (ignored without MLA).
+ModelShapes model_shapes(const ModelConfig& cfg, bool mla_absorbed = false);
 
 class Model {
  public:
   // Loads config.json and the checkpoint in `dir` onto `backend` (which must outlive the model).
   // A model whose shapes the backend's kernels cannot take is refused before any weight is read
-  // (Backend::check_model_shapes).
+  // (Backend::check_model_shapes, judged in the MLA form chosen for it).
   // MlaMode::kAbsorbed on a backend without the absorbed op is refused.
   static Result<std::unique_ptr<Model>> load(const std::string& dir, Backend& backend, const ModelOptions& opts = {});
   // A model of `cfg`'s shapes with pseudo-random weights made on the backend (benchmarks):
@@ -67,6 +68,8 @@ class Model {
   bool mla_absorbed() const { return mla_absorbed_; }
   // Per position of one layer's KV cache, in this model's attention form.
   KvShape kv_shape() const { return moelora::kv_shape(cfg_, mla_absorbed_); }
+  // The shapes its backend judged at load, in this model's attention form.
+  ModelShapes shapes() const { return model_shapes(cfg_, mla_absorbed_); }
 
   // One KV layer per decoder layer, `num_pages` pages of `page_size` positions each.
   std::vector<KvLayer> alloc_kv_cache(int num_pages, int page_size) const;

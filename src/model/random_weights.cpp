@@ -6,9 +6,9 @@ namespace moelora {
 
 Result<std::unique_ptr<Model>> Model::random(const ModelConfig& cfg, Backend& b, uint64_t seed,
                                              const ModelOptions& opts) {
-  MOELORA_RETURN_IF_ERROR(b.check_model_shapes(model_shapes(cfg)));
   std::unique_ptr<Model> m(new Model(cfg, "(random weights)", b));
   MOELORA_RETURN_IF_ERROR(m->choose_mla_form(opts));
+  MOELORA_RETURN_IF_ERROR(b.check_model_shapes(m->shapes()));
   // FP8 configs get random FP8 codes with block scales on devices that keep FP8; everything else
   // (NVFP4 included, which the CUDA backend serves as bf16 today) gets dense weights.
   const bool fp8 = cfg.weight_format.is_fp8() && b.device() != Device::kCpu;

@@ -16,8 +16,8 @@ struct ModelShapes {
   std::string arch;  // for messages ("qwen3_moe", ...)
   int hidden = 0;
   int vocab = 0;
-  // Attention as the decompressed KV cache holds it (MLA: per-head K and V, the form that runs on a
-  // backend without Backend::supports_mla_absorbed, so the only one these limits concern).
+  // Attention as the decompressed KV cache holds it (MLA: per-head K and V of nope + rope / v_dim
+  // values; these limits concern MLA only when it runs decompressed, see mla_absorbed).
   int heads = 0;
   int kv_heads = 0;
   int k_head_dim = 0;
@@ -26,6 +26,11 @@ struct ModelShapes {
   // (MLA: after the qk_nope dims).
   int rope_dim = 0;
   int rope_offset = 0;
+  // MLA (DeepSeek; kv_lora_rank 0 = none): the latent width, and whether the model runs the absorbed
+  // form (Model decides the form before this check, so a backend judges the kernels that will run:
+  // the latent attention's instead of the per-head attention's).
+  int kv_lora_rank = 0;
+  bool mla_absorbed = false;
   // Routed experts (num_experts 0: the model has no MoE layer).
   int num_experts = 0;
   int top_k = 0;

@@ -318,7 +318,7 @@ Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Backend> backend,
     opts.max_lora_rank = cap;
   }
   // The model's shapes passed the backend at load; the adapter capacity is known only now.
-  ModelShapes shapes = model_shapes(model->config());
+  ModelShapes shapes = model->shapes();
   shapes.lora_slots = opts.max_loras_per_batch;
   shapes.max_lora_rank = opts.max_lora_rank;
   MOELORA_RETURN_IF_ERROR(backend->check_model_shapes(shapes).with_context(

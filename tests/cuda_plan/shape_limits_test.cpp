@@ -105,6 +105,12 @@ TEST(ShapeLimits, ShapesComeFromTheConfigAsTheForwardPassUsesThem) {
   EXPECT_TRUE(has_input("kv_b_proj", 64));   // kv_lora_rank
   EXPECT_TRUE(has_input("o_proj", 4 * 32));  // heads * v_head_dim
   EXPECT_TRUE(has_input("shared_experts.down_proj", 192));
+  EXPECT_EQ(d.kv_lora_rank, 64);
+  EXPECT_FALSE(d.mla_absorbed);  // the form is the caller's: model_shapes(cfg, absorbed)
+  EXPECT_TRUE(model_shapes(parse(read_text(kSource / "tests" / "fixtures" / "deepseekv3" / "model-bf16" / "config.json"),
+                                 "deepseek"),
+                           true)
+                  .mla_absorbed);
   const ModelShapes q = qwen3_30b();
   EXPECT_EQ(q.num_experts, 128);
   EXPECT_EQ(q.top_k, 8);
@@ -268,6 +274,43 @@ TEST(ShapeLimits, AdapterRankAbove128IsRefused) {
   expect_ok(s);
   s.max_lora_rank = 256;
   expect_one(s, {"LoRA", "rank up to 256", "up to 128"});
+}
+
+TEST(ShapeLimits, AbsorbedMlaIsJudgedByTheLatentKernelsNotTheHeadDims) {
+  // Head dims no attention kernel is built for (k = 64 + 32, v = 64): refused decompressed only.
+  ModelShapes s = deepseek_fixture();
+  s.k_head_dim = 96;
+  s.v_head_dim = 64;
+  s.rope_offset = 80;
+  expect_one(s, {"attention", "head dims k=96, v=64"});
+  s.mla_absorbed = true;
+  expect_ok(s);
+  // DeepSeek-V3 itself in both forms.
+  ModelShapes v3 = shapes_of(kSource / "bench" / "configs" / "deepseek-v3-fp8.json");
+  EXPECT_EQ(v3.kv_lora_rank, 512);
+  expect_ok(v3);
+  v3.mla_absorbed = true;
+  v3.lora_slots = 8;
+  v3.max_lora_rank = kMaxLoraRank;
+  expect_ok(v3);
+  // Models without MLA ignore the flag.
+  ModelShapes q = qwen3_30b();
+  q.mla_absorbed = true;
+  q.k_head_dim = 96;
+  q.v_head_dim = 96;
+  q.rope_dim = 64;  // inside the head: only the attention kernels object
+  expect_one(q, {"attention", "head dims k=96, v=96"});
+}
+
+TEST(ShapeLimits, AbsorbedMlaCacheRowsWiderThanTheLatentKernelsTakeAreRefused) {
+  ModelShapes s = deepseek_fixture();
+  s.mla_absorbed = true;
+  s.kv_lora_rank = kMlaMaxLatentWidth - s.rope_dim;
+  expect_ok(s);
+  s.kv_lora_rank = kMlaMaxLatentWidth - s.rope_dim + 1;
+  expect_one(s, {"MLA (absorbed)", "kv_lora_rank 753 + rope 16 = 769", "at most 768", "--mla decompressed"});
+  s.mla_absorbed = false;  // the decompressed form never reads a latent row
+  expect_ok(s);
 }
 
 TEST(ShapeLimits, EveryViolationIsNamedInOneMessage) {

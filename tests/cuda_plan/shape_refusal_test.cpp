@@ -41,7 +41,21 @@ class CudaLimitsBackend final : public testutil::ForwardingCpuBackend {
   int rank_cap_;
 };
 
+// ... which also declares the absorbed MLA op, as CudaBackend does.
+class AbsorbingCudaLimitsBackend final : public testutil::ForwardingCpuBackend {
+ public:
+  Status check_model_shapes(const ModelShapes& s) const override { return cuda_plan::check_shape_limits(s); }
+  std::string name() const override { return "cuda-limits-absorbed"; }
+  bool supports_mla_absorbed() const override { return true; }
+  void mla_attention_absorbed(const Tensor& q, const Tensor& latent, const Tensor& k_pe, const LinearWeight& kv_b,
+                              const LoraModuleTable* lora, KvLayer& kv, int heads, int nope, int v_dim, float scale,
+                              Tensor out) override {
+    cpu_.mla_attention_absorbed(q, latent, k_pe, kv_b, lora, kv, heads, nope, v_dim, scale, out);
+  }
+};
+
 const fs::path kTiny = fs::path(MOELORA_SOURCE_DIR) / "models" / "tiny-qwen3moe";
+const fs::path kDeepseek = fs::path(MOELORA_SOURCE_DIR) / "tests" / "fixtures" / "deepseekv3" / "model-bf16";
 
 nlohmann::json tiny_config() {
   std::ifstream f(kTiny / "config.json");
@@ -130,6 +144,34 @@ TEST(ShapeRefusal, TheEngineLowersItsRankCeilingToTheKernelsAndRefusesAdaptersAb
   EXPECT_FALSE(rnd.ok());
   EXPECT_TRUE(contains(rnd.message(), "above the engine's maximum 8")) << rnd.message();
   EXPECT_TRUE(e.add_adapter("rnd8", make_random_adapter(cfg, "rnd8", 8, 1)).ok());
+}
+
+// The MLA form is chosen before the check, so the kernels that will run are the ones judged: a
+// DeepSeek model with head dims no attention kernel takes loads absorbed and is refused
+// decompressed; one with a latent row wider than the latent kernels take, the other way round.
+TEST(ShapeRefusal, MlaModelsAreJudgedInTheFormTheyWillRun) {
+  auto try_load = [](const nlohmann::json& cfg, MlaMode mode) {
+    testutil::TempDir dir;
+    testutil::write_file(dir.sub("config.json"), cfg.dump());
+    AbsorbingCudaLimitsBackend cuda_like;
+    ModelOptions o;
+    o.mla = mode;
+    auto m = Model::load(dir.str(), cuda_like, o);
+    EXPECT_FALSE(m.ok());  // no checkpoint in the folder: at best it fails there
+    return m.ok() ? std::string() : m.status().message();
+  };
+  std::ifstream f(kDeepseek / "config.json");
+  const nlohmann::json base = nlohmann::json::parse(f);
+  nlohmann::json odd_heads = base;
+  odd_heads["v_head_dim"] = 40;  // (48, 40): no attention kernel
+  EXPECT_TRUE(contains(try_load(odd_heads, MlaMode::kDecompressed), "head dims k=48, v=40"));
+  const std::string absorbed = try_load(odd_heads, MlaMode::kAuto);
+  EXPECT_FALSE(contains(absorbed, "head dims")) << absorbed;
+  EXPECT_FALSE(contains(absorbed, "cannot run")) << absorbed;
+  nlohmann::json wide = base;
+  wide["kv_lora_rank"] = 768;  // + rope 16 > 768 values per cache row
+  EXPECT_TRUE(contains(try_load(wide, MlaMode::kAuto), "MLA (absorbed): kv_lora_rank 768 + rope 16"));
+  EXPECT_FALSE(contains(try_load(wide, MlaMode::kDecompressed), "cannot run"));
 }
 
 TEST(ShapeRefusal, TheDefaultBackendCheckAcceptsAnyShape) {

@@ -49,8 +49,9 @@ static_assert(cuda_plan::kMoeMaxLoraBuckets == cuda::kMoeMaxLoraBuckets,
 Status CudaBackend::check_model_shapes(const ModelShapes& shapes) const {
   MOELORA_RETURN_IF_ERROR(cuda_plan::check_shape_limits(shapes));
   // The attention list is a copy of the kernels' own predicate: should they ever disagree, the
-  // kernels' answer wins (a refusal here, not an abort mid-forward).
-  if (!cuda::attention_head_dims_supported(shapes.k_head_dim, shapes.v_head_dim))
+  // kernels' answer wins (a refusal here, not an abort mid-forward). Absorbed MLA does not run them.
+  const bool absorbed_mla = shapes.kv_lora_rank > 0 && shapes.mla_absorbed;
+  if (!absorbed_mla && !cuda::attention_head_dims_supported(shapes.k_head_dim, shapes.v_head_dim))
     return unsupported("the CUDA attention kernels do not support head dims (k {}, v {})", shapes.k_head_dim,
                        shapes.v_head_dim);
   return {};

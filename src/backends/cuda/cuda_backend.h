@@ -39,6 +39,9 @@ struct CudaBackendOptions {
   size_t arena_bytes = 1ull << 30;
   int max_step_tokens = 4096;     // sizes the step metadata buffers; larger steps grow them
   int max_step_seqs = 512;
+  // Absorbed MLA: at most this many tokens per pass of its kernels (0 = cuda_plan's choice). Tests
+  // set it low to run several passes at small sizes.
+  int mla_max_pass_tokens = 0;
 };
 
 class CudaBackend final : public Backend {
@@ -93,6 +96,11 @@ class CudaBackend final : public Backend {
   void gather_logit_rows(const Tensor& x, Tensor out) override;
   void mla_split_kv(const Tensor& kv, const Tensor& k_pe, int heads, int nope, int v_dim, Tensor k,
                     Tensor v) override;
+  // DeepSeek MLA over the latent cache (kernels/mla_attention.cuh; cuda_backend_ops.cu).
+  bool supports_mla_absorbed() const override { return true; }
+  void mla_attention_absorbed(const Tensor& q, const Tensor& latent, const Tensor& k_pe, const LinearWeight& kv_b,
+                              const LoraModuleTable* kv_b_lora, KvLayer& kv, int heads, int nope, int v_dim,
+                              float scale, Tensor out) override;
   Tensor to_host_f32(const Tensor& t) override;
   std::vector<SampleOutput> sample(const Tensor& logits, const std::vector<SampleRow>& rows) override;
   void reserve_sampling(int rows, int vocab) override;
@@ -167,6 +175,21 @@ class CudaBackend final : public Backend {
   bool lora_active_ = false;     // a token of this (graph) step uses an adapter
   int lora_rank_ceiling_ = 0;    // power of two >= every rank ever placed in a slot
   std::shared_ptr<cuda::LoraCopier> copier_;  // adapter placements; made by the first one
+  // Absorbed MLA: each kv_b as the kernels read it, a bf16 copy made on its first use (an eager
+  // step: the first step of any graph key runs eagerly) and kept for the backend's life. Keyed by
+  // the weight's device address; `source` holds the weight so that the address is never reused
+  // while the entry exists. Costs heads x (nope + v_dim) x kv_lora_rank x 2 bytes per layer on top
+  // of the checkpoint's kv_b (DeepSeek-V3: 32 MiB per layer, 1.9 GiB over 61 layers at 128 heads,
+  // 244 MiB per GPU at tp 8), not counted by linear_bytes: it is made during the engine's warm-up
+  // step, before the KV cache is sized from the memory left.
+  struct MlaAbsorbedWeights {
+    Tensor source;  // kv_b.w
+    Tensor w_uk;    // bf16 [heads, nope, R]
+    Tensor w_uv_t;  // bf16 [heads, R, v_dim]
+    int heads = 0, nope = 0, v_dim = 0;
+  };
+  const MlaAbsorbedWeights& mla_absorbed_weights(const LinearWeight& kv_b, int heads, int nope, int v_dim);
+  std::map<const void*, MlaAbsorbedWeights> mla_weights_;
 };
 
 }  // namespace moelora

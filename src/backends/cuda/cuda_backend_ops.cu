@@ -15,6 +15,7 @@
 #include "backends/cuda/kernels/dense_gemm.cuh"
 #include "backends/cuda/kernels/elementwise.cuh"
 #include "backends/cuda/kernels/lora_dense.cuh"
+#include "backends/cuda/kernels/mla_attention.cuh"
 #include "backends/cuda/kernels/moe_forward.cuh"
 #include "backends/cuda/kernels/router.cuh"
 
@@ -363,6 +364,152 @@ void CudaBackend::mla_split_kv(const Tensor& kv, const Tensor& k_pe, int heads, 
   p.v = act(v);
   p.ld_v = v.ld();
   cuda::launch_mla_split_kv(p, main_);
+}
+
+// ---- DeepSeek MLA, absorbed form.
+
+const CudaBackend::MlaAbsorbedWeights& CudaBackend::mla_absorbed_weights(const LinearWeight& kv_b, int heads,
+                                                                        int nope, int v_dim) {
+  auto it = mla_weights_.find(kv_b.w.data());
+  if (it != mla_weights_.end()) {
+    const MlaAbsorbedWeights& w = it->second;
+    MOELORA_CHECK_MSG(w.heads == heads && w.nope == nope && w.v_dim == v_dim,
+                      "absorbed MLA: kv_b used as {} heads x ({} + {}), prepared as {} x ({} + {})", heads, nope, v_dim,
+                      w.heads, w.nope, w.v_dim);
+    return w;
+  }
+  // The copy is made once, outside any capture: a capture cannot allocate (and always follows an
+  // eager step of the same shape, which made it).
+  MOELORA_CHECK_MSG(mode_ != StepMode::kCapture, "absorbed MLA: kv_b first seen inside a CUDA-graph capture");
+  const bool fp8 = kv_b.w.dtype() == DType::kF8E4M3;
+  MOELORA_CHECK_MSG(fp8 || kv_b.w.dtype() == DType::kBF16, "absorbed MLA: kv_b of {}", dtype_name(kv_b.w.dtype()));
+  MOELORA_CHECK_MSG(kv_b.w.contiguous() && (!fp8 || kv_b.scale_inv.defined()), "absorbed MLA: kv_b {} {}",
+                    kv_b.w.shape_string(), fp8 ? "without its scales" : "");
+  const int R = kv_b.in;
+  // Not device_tensor: its zeroing memset runs on the legacy stream, which the non-blocking main
+  // stream does not wait for, and the conversion below writes every element anyway.
+  auto bf16_tensor = [](std::vector<int64_t> shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    void* p = nullptr;
+    MOELORA_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(16, static_cast<size_t>(n) * 2)));
+    std::shared_ptr<void> owner(p, [](void* q) { cudaFree(q); });
+    return Tensor(p, DType::kBF16, shape, Device::kCuda, std::move(owner));
+  };
+  MlaAbsorbedWeights w;
+  w.source = kv_b.w;
+  w.heads = heads, w.nope = nope, w.v_dim = v_dim;
+  w.w_uk = bf16_tensor({heads, nope, R});
+  w.w_uv_t = bf16_tensor({heads, R, v_dim});
+  cuda::MlaWeightPrep prep;
+  prep.w = kv_b.w.data();
+  prep.fp8 = fp8;
+  prep.scale_inv = fp8 ? kv_b.scale_inv.ptr<float>() : nullptr;
+  prep.block_out = kv_b.block_out;
+  prep.block_in = kv_b.block_in;
+  prep.split_rows = kv_b.split_rows;
+  prep.heads = heads, prep.nope = nope, prep.v_dim = v_dim, prep.R = R;
+  prep.w_uk = static_cast<bf16*>(w.w_uk.data());
+  prep.w_uv_t = static_cast<bf16*>(w.w_uv_t.data());
+  cuda::launch_mla_prepare_weights(prep, main_);
+  return mla_weights_.emplace(kv_b.w.data(), std::move(w)).first->second;
+}
+
+void CudaBackend::mla_attention_absorbed(const Tensor& q, const Tensor& latent, const Tensor& k_pe,
+                                         const LinearWeight& kv_b, const LoraModuleTable* kv_b_lora, KvLayer& kv,
+                                         int heads, int nope, int v_dim, float scale, Tensor out) {
+  const int T = static_cast<int>(q.rows()), R = static_cast<int>(latent.cols()), rope = static_cast<int>(k_pe.cols());
+  MOELORA_CHECK_MSG(T == batch_.num_tokens() && latent.rows() == T && k_pe.rows() == T && out.rows() == T,
+                    "absorbed MLA: {} tokens in the step, q {} latent {} k_pe {} out {}", batch_.num_tokens(),
+                    q.shape_string(), latent.shape_string(), k_pe.shape_string(), out.shape_string());
+  MOELORA_CHECK_MSG(q.cols() == int64_t{heads} * (nope + rope) && out.cols() == int64_t{heads} * v_dim,
+                    "absorbed MLA: q {} / out {} for {} heads of nope {}, rope {}, v {}", q.shape_string(),
+                    out.shape_string(), heads, nope, rope, v_dim);
+  MOELORA_CHECK_MSG(kv_b.in == R && kv_b.out == heads * (nope + v_dim),
+                    "absorbed MLA: kv_b [{}, {}] for {} heads x ({} + {}) rows of {} latent values", kv_b.out, kv_b.in,
+                    heads, nope, v_dim, R);
+  MOELORA_CHECK_MSG(kv.kv_heads == 1 && kv.k_head_dim == R + rope && kv.v_head_dim == 0,
+                    "absorbed MLA needs the latent cache (1 head of {} values, no V), got {} heads of {} / {}", R + rope,
+                    kv.kv_heads, kv.k_head_dim, kv.v_head_dim);
+  MOELORA_CHECK_MSG(R + rope <= cuda_plan::kMlaMaxLatentWidth,
+                    "absorbed MLA: kv_lora_rank {} + rope {} above the kernels' {} (cuda_plan::check_shape_limits "
+                    "refuses such a model at load)",
+                    R, rope, cuda_plan::kMlaMaxLatentWidth);
+  if (kv_b_lora)
+    MOELORA_CHECK_MSG(kv_b_lora->in == R && kv_b_lora->out == kv_b.out, "kv_b LoRA table [{} -> {}], want [{} -> {}]",
+                      kv_b_lora->in, kv_b_lora->out, R, kv_b.out);
+  const MlaAbsorbedWeights& w = mla_absorbed_weights(kv_b, heads, nope, v_dim);
+  if (T == 0) return;
+
+  // LoRA, and the widest rank its scratch must hold. A capture serves every later batch of its key:
+  // it takes LoRA whenever the batch has an adapter token and the rank ceiling of every placement
+  // (a placement above it drops the graphs), as the dense LoRA does.
+  int rank_stride = 0;
+  if (kv_b_lora) {
+    if (mode_ == StepMode::kCapture) {
+      rank_stride = lora_active_ ? lora_rank_ceiling_ : 0;
+    } else {
+      bool any = false;
+      for (int32_t s : batch_.token_slot) {
+        MOELORA_CHECK_MSG(s < kv_b_lora->num_slots, "token slot {} outside {} slots", s, kv_b_lora->num_slots);
+        any = any || (s >= 0 && kv_b_lora->host_rank[s] > 0);
+      }
+      if (any)
+        for (int r : kv_b_lora->host_rank) rank_stride = std::max(rank_stride, r);
+    }
+  }
+  static const int sms = cuda::query_device().num_sms;
+  cuda_plan::MlaProblem pr;
+  pr.tokens = T;
+  pr.heads = heads;
+  pr.latent = R;
+  pr.lora_rank_stride = rank_stride;
+  pr.num_sms = sms;
+  pr.max_chunk_tokens = opts_.mla_max_pass_tokens;
+  // A capture sizes the KV splits for the longest context its replays may bring (the begin_step
+  // bound), so the grid stays the same for every replay.
+  if (mode_ == StepMode::kCapture) {
+    pr.max_positions = kGraphMaxPositions;
+  } else {
+    pr.max_positions = 1;
+    for (int32_t pos : batch_.positions) pr.max_positions = std::max(pr.max_positions, pos + 1);
+  }
+  const cuda_plan::MlaPlan plan = cuda_plan::choose_mla_plan(pr);
+
+  cuda::MlaAbsorbedParams p;
+  p.q = act(q);
+  p.ld_q = q.ld();
+  p.latent = act(latent);
+  p.ld_latent = latent.ld();
+  p.k_pe = act(k_pe);
+  p.ld_k_pe = k_pe.ld();
+  p.out = act(out);
+  p.ld_out = out.ld();
+  p.T = T;
+  p.heads = heads;
+  p.nope = nope;
+  p.rope = rope;
+  p.v_dim = v_dim;
+  p.R = R;
+  p.scale = scale;
+  p.w_uk = static_cast<const bf16*>(w.w_uk.data());
+  p.w_uv_t = static_cast<const bf16*>(w.w_uv_t.data());
+  if (rank_stride > 0) {
+    p.lora_a = kv_b_lora->a_ptrs.ptr<int64_t>();
+    p.lora_b = kv_b_lora->b_ptrs.ptr<int64_t>();
+    p.lora_rank = kv_b_lora->ranks.ptr<int32_t>();
+    p.lora_slots = kv_b_lora->num_slots;
+    p.lora_rank_stride = rank_stride;
+  }
+  p.cache = act(kv.k);
+  p.page_size = kv.page_size;
+  p.positions = meta_->positions;
+  p.token_seq = meta_->token_seq;
+  p.token_slot = meta_->token_slot;
+  p.page_indptr = meta_->page_indptr;
+  p.page_indices = meta_->page_indices;
+  const size_t bytes = plan.scratch_bytes();
+  cuda::launch_mla_absorbed(p, plan, arena_alloc(bytes), bytes, main_);
 }
 
 }  // namespace moelora

@@ -43,17 +43,28 @@ int moe_lora_max_slots(int num_experts) {
 std::vector<std::string> shape_limit_violations(const ModelShapes& s) {
   std::vector<std::string> v;
 
-  // Attention. kernels/attention.cu: dispatch instantiates one kernel pair per (k, v) head dims
-  // (check_params: attention_head_dims_supported; cuda_backend_ops.cu asserts it again before the
-  // launch), and maps query head h to kv head h / (heads / kv_heads) (check_params).
-  if (!attention_head_dims_supported(s.k_head_dim, s.v_head_dim))
-    v.push_back(fmt::format("attention: head dims k={}, v={} are not supported by the CUDA attention kernels "
-                            "(built for (k, v) in {})",
-                            s.k_head_dim, s.v_head_dim, head_dims_list()));
-  if (s.kv_heads < 1 || s.heads % s.kv_heads != 0)
-    v.push_back(fmt::format("attention: {} query heads are not a whole multiple of {} kv heads (the kernels share "
-                            "each kv head among heads / kv_heads query heads)",
-                            s.heads, s.kv_heads));
+  if (s.kv_lora_rank > 0 && s.mla_absorbed) {
+    // MLA in the absorbed form runs kernels/mla_attention.cu instead of the attention kernels:
+    // launch_mla_absorbed (and CudaBackend::mla_attention_absorbed) checks the cache row width, a
+    // tile of 32 rows of it in the default 48 KiB of shared memory. Heads, nope and v_dim are free.
+    if (s.kv_lora_rank + s.rope_dim > kMlaMaxLatentWidth)
+      v.push_back(fmt::format("MLA (absorbed): kv_lora_rank {} + rope {} = {} cached values per token, the CUDA "
+                              "latent attention takes at most {} (use --mla decompressed, if its head dims are "
+                              "supported)",
+                              s.kv_lora_rank, s.rope_dim, s.kv_lora_rank + s.rope_dim, kMlaMaxLatentWidth));
+  } else {
+    // Attention. kernels/attention.cu: dispatch instantiates one kernel pair per (k, v) head dims
+    // (check_params: attention_head_dims_supported; cuda_backend_ops.cu asserts it again before the
+    // launch), and maps query head h to kv head h / (heads / kv_heads) (check_params).
+    if (!attention_head_dims_supported(s.k_head_dim, s.v_head_dim))
+      v.push_back(fmt::format("attention: head dims k={}, v={} are not supported by the CUDA attention kernels "
+                              "(built for (k, v) in {})",
+                              s.k_head_dim, s.v_head_dim, head_dims_list()));
+    if (s.kv_heads < 1 || s.heads % s.kv_heads != 0)
+      v.push_back(fmt::format("attention: {} query heads are not a whole multiple of {} kv heads (the kernels "
+                              "share each kv head among heads / kv_heads query heads)",
+                              s.heads, s.kv_heads));
+  }
 
   // Rotary embedding. kernels/elementwise.cu launch_rope: rotated dims come in pairs and must lie
   // inside the head.

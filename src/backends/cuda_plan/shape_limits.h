@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/cuda_plan/mla_choices.h"
 #include "core/status.h"
 #include "ops/model_shapes.h"
 

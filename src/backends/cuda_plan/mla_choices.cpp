@@ -1,0 +1,48 @@
+#include "backends/cuda_plan/mla_choices.h"
+
+#include <algorithm>
+#include <cstdint>
+
+#include "core/check.h"
+
+namespace moelora::cuda_plan {
+
+namespace {
+size_t aligned256(size_t n) { return (n + 255) / 256 * 256; }
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+}  // namespace
+
+MlaPlan choose_mla_plan(const MlaProblem& p) {
+  MOELORA_CHECK_MSG(p.tokens >= 1 && p.heads >= 1 && p.latent >= 1 && p.max_positions >= 1 && p.lora_rank_stride >= 0,
+                    "absorbed MLA plan: {} tokens, {} heads, latent {}, {} positions, LoRA ranks {}", p.tokens,
+                    p.heads, p.latent, p.max_positions, p.lora_rank_stride);
+  MlaPlan plan;
+  const size_t per_token = sizeof(float) * static_cast<size_t>(p.heads) * (p.latent + p.lora_rank_stride);
+  plan.chunk_tokens = static_cast<int>(std::clamp<size_t>(kMlaScratchBudget / per_token, 1, p.tokens));
+  if (p.max_chunk_tokens > 0) plan.chunk_tokens = std::min(plan.chunk_tokens, p.max_chunk_tokens);
+
+  // Two blocks of the latent attention per SM before splitting: with fewer, the SMs that have a
+  // block still walk the whole context alone.
+  const int64_t blocks = int64_t{plan.chunk_tokens} * ceil_div(p.heads, kMlaHeadsPerBlock);
+  const int64_t target = 2 * int64_t{std::max(1, p.num_sms)};
+  int64_t splits = 1;
+  if (blocks < target) {
+    const int64_t want = ceil_div(target, blocks);
+    const int64_t by_positions = std::max<int64_t>(1, p.max_positions / kMlaMinSplitPositions);
+    splits = std::min({want, by_positions, int64_t{kMlaMaxSplits}});
+  }
+  const int64_t per_split = ceil_div(ceil_div(p.max_positions, splits), kMlaTilePositions) * kMlaTilePositions;
+  plan.split_positions = static_cast<int>(per_split);
+  plan.splits = static_cast<int>(ceil_div(p.max_positions, per_split));  // rounding may leave fewer
+
+  const size_t rows = static_cast<size_t>(plan.chunk_tokens) * p.heads;
+  plan.latent_bytes = aligned256(rows * p.latent * sizeof(float));
+  if (plan.splits > 1) {
+    plan.partial_bytes = aligned256(rows * plan.splits * p.latent * sizeof(float));
+    plan.stats_bytes = aligned256(rows * plan.splits * 2 * sizeof(float));
+  }
+  plan.lora_bytes = aligned256(rows * p.lora_rank_stride * sizeof(float));
+  return plan;
+}
+
+}  // namespace moelora::cuda_plan

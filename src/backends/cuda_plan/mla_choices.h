@@ -1,0 +1,52 @@
+// Per-call choices of the absorbed-MLA kernels (kernels/mla_attention.cu), made on the host from
+// the step's shape alone (tests/cuda_plan checks them without a GPU):
+// - how many tokens one pass of the kernels takes: their float32 scratch (the absorbed query, later
+//   the latent output, and the kv_b LoRA's rank-r sums) is per token and head, ~256 KiB per token
+//   at DeepSeek-V3's 128 heads, so a long prefill chunk runs in passes under a fixed budget;
+// - how many KV splits the latent attention uses: its grid is tokens x head groups, which at small
+//   decode batches leaves most SMs idle (1 token x 16 head groups on 132 SMs), so each (token,
+//   head group) is split over its positions and the splits are merged afterwards (flash-decoding).
+// Nothing here affects results beyond float32 summation order.
+#pragma once
+
+#include <cstddef>
+
+namespace moelora::cuda_plan {
+
+// The kernels' constants this plan and shape_limits depend on (mla_attention.cu static_asserts them).
+inline constexpr int kMlaHeadsPerBlock = 8;     // latent attention: one warp per head, 8 warps
+inline constexpr int kMlaTilePositions = 32;    // latent attention: cache rows per shared-memory tile
+// kv_lora_rank + rope: a tile of 32 rows padded to 64-value multiples must fit the 48 KiB of shared
+// memory a kernel gets without opting in (32 x 768 x 2 B = 48 KiB), and each lane keeps 768 / 32
+// query values in registers. DeepSeek-V2/V3 and Kimi K2 use 512 + 64 = 576.
+inline constexpr int kMlaMaxLatentWidth = 768;
+inline constexpr int kMlaMaxSplits = 64;          // the merge keeps one weight per split in shared memory
+inline constexpr int kMlaMinSplitPositions = 128;  // below this a split is not worth its merge
+inline constexpr size_t kMlaScratchBudget = size_t{128} << 20;  // per pass, float32 scratch
+
+struct MlaProblem {
+  int tokens = 0;            // T of the call
+  int heads = 0;             // query heads (the rank's)
+  int latent = 0;            // kv_lora_rank R
+  int lora_rank_stride = 0;  // ranks the LoRA scratch holds per (token, head); 0 = no kv_b LoRA
+  int max_positions = 0;     // longest context a token attends to (a captured graph: its bound)
+  int num_sms = 132;
+  int max_chunk_tokens = 0;  // > 0: at most this many tokens per pass (tests)
+};
+
+struct MlaPlan {
+  int chunk_tokens = 0;     // tokens per pass (the last pass may take fewer)
+  int splits = 1;           // KV splits per (token, head group)
+  int split_positions = 0;  // positions per split, a multiple of kMlaTilePositions
+  // Scratch of one pass, each part 256-byte aligned, laid out in this order.
+  size_t latent_bytes = 0;   // [chunk][heads][R] f32: the absorbed query, then the latent output
+  size_t partial_bytes = 0;  // splits > 1: [chunk][heads][splits][R] f32 unnormalised outputs
+  size_t stats_bytes = 0;    // splits > 1: [chunk][heads][splits][2] f32 (running max, sum)
+  size_t lora_bytes = 0;     // [chunk][heads][lora_rank_stride] f32: A o per (token, head)
+  size_t scratch_bytes() const { return latent_bytes + partial_bytes + stats_bytes + lora_bytes; }
+};
+
+// tokens >= 1, heads >= 1, latent >= 1, max_positions >= 1.
+MlaPlan choose_mla_plan(const MlaProblem& p);
+
+}  // namespace moelora::cuda_plan

@@ -1,0 +1,112 @@
+// The absorbed-MLA kernels' per-call plan (cuda_plan::choose_mla_plan), checked without a GPU:
+// passes keep the float32 scratch under its budget, KV splits appear only when the grid would
+// leave SMs idle, and every position of the longest context falls in exactly one split.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "backends/cuda_plan/mla_choices.h"
+
+namespace moelora::cuda_plan {
+namespace {
+
+MlaProblem deepseek(int tokens, int max_positions, int lora_rank_stride = 0) {
+  MlaProblem p;
+  p.tokens = tokens;
+  p.heads = 128;
+  p.latent = 512;
+  p.lora_rank_stride = lora_rank_stride;
+  p.max_positions = max_positions;
+  p.num_sms = 132;
+  return p;
+}
+
+// What every plan must satisfy, whatever the problem.
+void expect_consistent(const MlaProblem& p, const MlaPlan& plan) {
+  SCOPED_TRACE(::testing::Message() << "T " << p.tokens << " heads " << p.heads << " R " << p.latent << " ranks "
+                                    << p.lora_rank_stride << " positions " << p.max_positions);
+  EXPECT_GE(plan.chunk_tokens, 1);
+  EXPECT_LE(plan.chunk_tokens, p.tokens);
+  EXPECT_GE(plan.splits, 1);
+  EXPECT_LE(plan.splits, kMlaMaxSplits);
+  EXPECT_EQ(plan.split_positions % kMlaTilePositions, 0);
+  EXPECT_GE(int64_t{plan.splits} * plan.split_positions, p.max_positions);  // every position is in a split
+  EXPECT_LT(int64_t{plan.splits - 1} * plan.split_positions, p.max_positions);  // and no split is always empty
+  const size_t rows = static_cast<size_t>(plan.chunk_tokens) * p.heads;
+  EXPECT_GE(plan.latent_bytes, rows * p.latent * 4);
+  EXPECT_GE(plan.lora_bytes, rows * p.lora_rank_stride * 4);
+  if (plan.splits > 1) {
+    EXPECT_GE(plan.partial_bytes, rows * plan.splits * p.latent * 4);
+    EXPECT_GE(plan.stats_bytes, rows * plan.splits * 2 * 4);
+  } else {
+    EXPECT_EQ(plan.partial_bytes + plan.stats_bytes, 0u);
+  }
+  for (size_t b : {plan.latent_bytes, plan.partial_bytes, plan.stats_bytes, plan.lora_bytes}) EXPECT_EQ(b % 256, 0u);
+  // One pass fits the budget unless a single token exceeds it.
+  if (plan.chunk_tokens > 1) EXPECT_LE(plan.latent_bytes + plan.lora_bytes, kMlaScratchBudget + 512);
+}
+
+TEST(MlaPlan, LargeDecodeBatchRunsInOnePassWithoutSplits) {
+  const MlaProblem p = deepseek(256, 4096);
+  const MlaPlan plan = choose_mla_plan(p);
+  expect_consistent(p, plan);
+  EXPECT_EQ(plan.chunk_tokens, 256);  // 256 x 128 heads x 512 x 4 B = 64 MiB
+  EXPECT_EQ(plan.splits, 1);          // 256 tokens x 16 head groups fill the GPU
+  EXPECT_EQ(plan.latent_bytes, size_t{64} << 20);
+  EXPECT_EQ(plan.lora_bytes, 0u);
+}
+
+TEST(MlaPlan, SingleTokenLongContextIsSplitOverPositions) {
+  const MlaProblem p = deepseek(1, 4096);
+  const MlaPlan plan = choose_mla_plan(p);
+  expect_consistent(p, plan);
+  // 16 head groups want ceil(264 / 16) = 17 splits: 241 positions, rounded to 256, leave 16.
+  EXPECT_EQ(plan.split_positions, 256);
+  EXPECT_EQ(plan.splits, 16);
+}
+
+TEST(MlaPlan, ShortContextsAreNotSplit) {
+  const MlaProblem p = deepseek(1, 100);
+  const MlaPlan plan = choose_mla_plan(p);
+  expect_consistent(p, plan);
+  EXPECT_EQ(plan.splits, 1);
+  EXPECT_EQ(plan.split_positions, 128);
+}
+
+TEST(MlaPlan, ACapturedGraphSizesItsSplitsForTheContextBound) {
+  const MlaProblem p = deepseek(1, 16384);  // CudaBackend::kGraphMaxPositions
+  const MlaPlan plan = choose_mla_plan(p);
+  expect_consistent(p, plan);
+  EXPECT_EQ(plan.splits, 17);
+  EXPECT_EQ(plan.split_positions, 992);
+}
+
+TEST(MlaPlan, LongPrefillRunsInPassesUnderTheBudget) {
+  const MlaProblem p = deepseek(4096, 4096);
+  const MlaPlan plan = choose_mla_plan(p);
+  expect_consistent(p, plan);
+  EXPECT_EQ(plan.chunk_tokens, 512);  // 128 MiB / 256 KiB per token
+  EXPECT_EQ(plan.splits, 1);
+  // The LoRA scratch counts too: 128 heads x (512 + 128) x 4 B per token.
+  const MlaPlan lora = choose_mla_plan(deepseek(4096, 4096, 128));
+  EXPECT_EQ(lora.chunk_tokens, 409);
+  EXPECT_EQ(lora.lora_bytes % 256, 0u);
+}
+
+TEST(MlaPlan, EveryProblemGetsAConsistentPlan) {
+  std::mt19937 rng(7);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  for (int i = 0; i < 2000; ++i) {
+    MlaProblem p;
+    p.tokens = pick(1, 5000);
+    p.heads = pick(1, 160);
+    p.latent = pick(1, 704);
+    p.lora_rank_stride = pick(0, 3) == 0 ? 0 : 1 << pick(0, 7);
+    p.max_positions = pick(1, 40000);
+    p.num_sms = pick(1, 140);
+    expect_consistent(p, choose_mla_plan(p));
+  }
+}
+
+}  // namespace
+}  // namespace moelora::cuda_plan
