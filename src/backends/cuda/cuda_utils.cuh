@@ -8,41 +8,13 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <utility>
 
-#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/launch.cuh"
 
 namespace moelora::cuda {
 
 using bf16 = __nv_bfloat16;
 
-// ---- Programmatic dependent launch (PDL). A kernel launched by launch_pdl may start while its
-// stream predecessor still runs: griddepcontrol.wait blocks until the predecessor has completed and
-// its writes are visible, griddepcontrol.launch_dependents lets the next kernel's blocks launch and
-// sit in their own wait. Without the launch attribute both are no-ops. Every kernel launched this
-// way calls pdl_wait() as its first statement (before any early return: a grid whose blocks all
-// exited without waiting would count as complete while its predecessor still runs) and
-// pdl_trigger() right after, so each kernel's start-up overlaps its predecessor's tail and
-// everything two launches back is complete when a kernel passes its wait. What it saves: the
-// launch and block-scheduling gap between dependent kernels, several per layer at decode sizes.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
-
-template <typename... KernelArgs, typename... Args>
-inline void launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                       Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  MOELORA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
-}
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }

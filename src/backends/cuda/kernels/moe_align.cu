@@ -164,8 +164,8 @@ __device__ void align_lora(const MoeAlignParams& p, int* smem, int* scratch) {
 __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const __grid_constant__ MoeAlignParams p) {
   extern __shared__ __align__(16) int align_smem[];
   __shared__ int scratch[33];
-  moe_detail::pdl_wait();
-  moe_detail::pdl_trigger();
+  pdl_wait();
+  pdl_trigger();
   if (p.route.logits) {
     moe_detail::route_tokens_block<256>(p.route, 0, blockDim.x / 32, reinterpret_cast<double*>(align_smem));
     __syncthreads();  // ids written by this block are visible to it after the barrier

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/launch.cuh"
 
 namespace moelora::cuda {
 
@@ -27,14 +28,11 @@ struct MoeTile {
 
 namespace moe_detail {
 
-// ---- Programmatic dependent launch. A kernel launched with the PDL attribute may start while
-// its predecessor still runs; griddepcontrol.wait blocks until the predecessor has completed and
-// its writes are visible. Without the attribute both instructions are no-ops. Every MoE kernel
-// waits before its first global write and before reading anything its predecessor writes, and
-// triggers its dependents right after the wait: so a kernel's dependent can rely on everything
-// two launches back being complete (the down GEMM uses that to prefetch weights early).
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+// Programmatic dependent launch: pdl_wait / pdl_trigger and launch_kernel (backends/cuda/launch.cuh).
+// Every MoE kernel waits before its first global write and before reading anything its
+// predecessor writes, and triggers its dependents right after the wait: so a kernel's dependent can
+// rely on everything two launches back being complete (the down GEMM uses that to prefetch weights
+// early).
 
 // ---- bf16 helpers
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
@@ -159,17 +157,7 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* scratch, int* to
 template <typename Params>
 inline void moe_launch(void (*kernel)(Params), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
                        const Params& p) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  MOELORA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  launch_kernel(kernel, grid, block, smem, stream, pdl, p);
 }
 
 // Number of SMs of the current device (cached; the process uses one device).

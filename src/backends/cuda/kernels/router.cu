@@ -10,8 +10,8 @@ constexpr int kRouterWarps = 4;
 
 __global__ void __launch_bounds__(kRouterWarps * 32) router_topk_kernel(const __grid_constant__ RouterParams p) {
   extern __shared__ double router_smem[];
-  moe_detail::pdl_wait();
-  moe_detail::pdl_trigger();
+  pdl_wait();
+  pdl_trigger();
   moe_detail::route_tokens_block(p, blockIdx.x * kRouterWarps, gridDim.x * kRouterWarps, router_smem);
 }
 
