@@ -35,6 +35,19 @@ void PrintTo(const EltCase& c, std::ostream* os) { *os << c.name(); }
 
 class Elementwise : public ::testing::TestWithParam<EltCase> {};
 
+// fp8_quant over the case's rows x [T, cols] (row stride ld) into q [T, cols] and scales s.
+cuda::Fp8QuantParams quant_params(DevMat& x, int ld, const EltCase& c, uint8_t* q, float* scales) {
+  cuda::Fp8QuantParams p;
+  p.x = x.ptr();
+  p.ld_x = ld;
+  p.M = c.T;
+  p.K = c.cols;
+  p.q = q;
+  p.ld_q = c.cols;
+  p.scales = scales;
+  return p;
+}
+
 void run_case(const EltCase& c) {
   Rng rng(seed_of(c.name()));
   cudaStream_t st = nullptr;
@@ -197,14 +210,7 @@ void run_case(const EltCase& c) {
     for (int layout = 0; layout < 2; ++layout) {
       DeviceArray<uint8_t> q(std::max<size_t>(qref.size(), 1));
       DeviceArray<float> s(std::max<size_t>(sref.size(), 1));
-      cuda::Fp8QuantParams p;
-      p.x = x.ptr();
-      p.ld_x = ld;
-      p.M = c.T;
-      p.K = c.cols;
-      p.q = q.get();
-      p.ld_q = c.cols;
-      p.scales = s.get();
+      cuda::Fp8QuantParams p = quant_params(x, ld, c, q.get(), s.get());
       p.layout = layout ? cuda::Fp8ScaleLayout::kGroupMajor : cuda::Fp8ScaleLayout::kTokenMajor;
       p.scale_ld = layout ? c.T : groups;
       cuda::launch_fp8_quant_per_token(p, st);
@@ -229,15 +235,8 @@ void run_case(const EltCase& c) {
     const int groups = (c.cols + 127) / 128;
     DeviceArray<uint8_t> q(std::max<size_t>(c.T * static_cast<size_t>(c.cols), 1)), ql(q.size());
     DeviceArray<float> s(std::max<size_t>(c.T * static_cast<size_t>(groups), 1));
-    cuda::Fp8QuantParams p;
-    p.x = x.ptr();
-    p.ld_x = ld;
-    p.M = c.T;
-    p.K = c.cols;
-    p.q = q.get();
+    cuda::Fp8QuantParams p = quant_params(x, ld, c, q.get(), s.get());
     p.q_lo = ql.get();
-    p.ld_q = c.cols;
-    p.scales = s.get();
     p.scale_ld = groups;
     cuda::launch_fp8_quant_per_token(p, st);
     MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
