@@ -238,6 +238,18 @@ void prefill_table(Bench& b) {
 
 }
 
+// Worst row error of copy 0's output of T tokens (`out`) against cpu::moe on the same routing.
+double worst_vs_cpu(Bench& b, int T, int adapters, const std::vector<float>& out) {
+  const auto ids = b.copies[0].ids.download(static_cast<size_t>(T) * kK);
+  const auto w = b.copies[0].w.download(static_cast<size_t>(T) * kK);
+  std::vector<int32_t> slots(T);
+  for (int t = 0; t < T; ++t) slots[t] = t % kSlots;
+  std::vector<float> x(b.hx[0].begin(), b.hx[0].begin() + static_cast<size_t>(T) * kH);
+  const MoeReference ref = moe_reference(b.hex, x, T, ids, w, adapters ? &slots : nullptr, adapters ? &b.hl : nullptr);
+  const Comparison cmp = compare_rows(out, ref.out, T, kH);
+  return cmp.non_finite ? 1e9 : cmp.worst_rel;
+}
+
 // `dev_moe_bench wgmma`: the Hopper grouped GEMM (MoeTuning::wgmma) against the CPU reference and
 // against the mma.sync kernels, then both timed per tile at every batch, base and 8 adapters.
 bool wgmma_mode(Bench& b, int ncopies, double bw) {
@@ -257,17 +269,7 @@ bool wgmma_mode(Bench& b, int ncopies, double bw) {
         MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
         const auto ref_sync = b.out_of(0, T);
         const double vs_sync = compare_rows(out, ref_sync, T, kH).worst_rel;
-        double vs_cpu = -1.0;
-        if (T <= 64) {
-          const auto ids = b.copies[0].ids.download(static_cast<size_t>(T) * kK);
-          const auto w = b.copies[0].w.download(static_cast<size_t>(T) * kK);
-          std::vector<int32_t> slots(T);
-          for (int t = 0; t < T; ++t) slots[t] = t % kSlots;
-          std::vector<float> x(b.hx[0].begin(), b.hx[0].begin() + static_cast<size_t>(T) * kH);
-          const MoeReference ref = moe_reference(b.hex, x, T, ids, w, adapters ? &slots : nullptr, adapters ? &b.hl : nullptr);
-          const Comparison cmp = compare_rows(out, ref.out, T, kH);
-          vs_cpu = cmp.non_finite ? 1e9 : cmp.worst_rel;
-        }
+        const double vs_cpu = T <= 64 ? worst_vs_cpu(b, T, adapters, out) : -1.0;  // the CPU is slow beyond
         const bool pass = vs_sync <= 1e-2 && vs_cpu <= 1e-2;
         ok &= pass;
         std::printf("check wgmma tile %d %-6s T=%3d: worst row rel err vs CPU %.2e, vs mma.sync %.2e %s\n",
@@ -318,17 +320,7 @@ bool split_mode(Bench& b, int ncopies, double bw) {
         b.launch(nullptr, 0, T, v, adapters);
         MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
         const double vs_dequant = compare_rows(out, b.out_of(0, T), T, kH).worst_rel;
-        double vs_cpu = -1.0;
-        if (T <= 64) {
-          const auto ids = b.copies[0].ids.download(static_cast<size_t>(T) * kK);
-          const auto w = b.copies[0].w.download(static_cast<size_t>(T) * kK);
-          std::vector<int32_t> slots(T);
-          for (int t = 0; t < T; ++t) slots[t] = t % kSlots;
-          std::vector<float> x(b.hx[0].begin(), b.hx[0].begin() + static_cast<size_t>(T) * kH);
-          const MoeReference ref = moe_reference(b.hex, x, T, ids, w, adapters ? &slots : nullptr, adapters ? &b.hl : nullptr);
-          const Comparison cmp = compare_rows(out, ref.out, T, kH);
-          vs_cpu = cmp.non_finite ? 1e9 : cmp.worst_rel;
-        }
+        const double vs_cpu = T <= 64 ? worst_vs_cpu(b, T, adapters, out) : -1.0;  // the CPU is slow beyond
         const bool pass = vs_dequant <= 1e-2 && vs_cpu <= 1e-2;
         ok &= pass;
         std::printf("check split tile %d %-6s T=%3d: worst row rel err vs CPU %.2e, vs dequantising wgmma %.2e %s\n",
