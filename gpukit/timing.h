@@ -1,6 +1,6 @@
-// Workbench timing (DESIGN "Conventions" 3, device/METHOD.md): CUDA-graph replay of the measured
-// launch(es), inputs rotated among several copies so that each replay reads from HBM (the H200's
-// L2 is 50 MB), median of repeats, and ceilings measured in the same run (gpukit/timing.cu).
+// Workbench timing (docs/floors.md says what the ceilings and floors mean): CUDA-graph replay of
+// the measured launch(es), inputs rotated among several copies so that each replay reads from HBM
+// (the H200's L2 is 60 MB), median of repeats, and ceilings measured in the same run (gpukit/timing.cu).
 #pragma once
 
 #include <cuda_runtime.h>

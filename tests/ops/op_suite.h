@@ -1,4 +1,4 @@
-// The GoogleTest glue of the op suite (DESIGN "Conventions" 2): cases are small structs whose
+// The GoogleTest glue of the op suite: cases are small structs whose
 // printed parameters are the test name and the RNG seed; outputs are compared with the CPU
 // reference per row (||out - ref|| / ||ref||), checked for NaN/inf, and written into buffers with
 // guard regions that must stay untouched. Everything that is not GoogleTest (buffers, data,

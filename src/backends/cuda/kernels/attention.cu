@@ -333,7 +333,7 @@ void check_params(const AttentionParams& a) {
 }  // namespace
 
 void attention_prepare() {
-  static bool done = false;  // one engine thread launches (DESIGN); idempotent
+  static bool done = false;  // only the engine thread launches kernels (docs/architecture.md, data flow); idempotent
   if (done) return;
   decode_prepare<32, 32>();
   decode_prepare<48, 32>();

@@ -377,7 +377,7 @@ void lora_upload_plan(const LoraPlan& plan, void* dev_meta, size_t dev_bytes, cu
 }
 
 void lora_dense_prepare() {
-  static bool done = false;  // one engine thread launches (DESIGN); idempotent
+  static bool done = false;  // only the engine thread launches kernels (docs/architecture.md, data flow); idempotent
   if (done) return;
   MOELORA_CUDA_CHECK(cudaFuncSetAttribute(lora_segmented_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxBSmem));
   done = true;
