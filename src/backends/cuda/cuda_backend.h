@@ -163,6 +163,7 @@ class CudaBackend final : public Backend {
   void* attn_meta_ = nullptr;
   size_t attn_meta_bytes_ = 0;
   bool attn_planned_ = false;
+  int step_max_positions_ = 0;  // longest context of the step's tokens (0: not computed yet this step)
   std::map<const float*, std::shared_ptr<void>> inv_freq_;  // rope tables on the device, by host address
   // CUDA graphs for decode steps.
   StepMode mode_ = StepMode::kEager;

@@ -287,12 +287,15 @@ void CudaBackend::moe(const Tensor& x, const Tensor& ids, const Tensor& weights,
   a.s_gate_up = experts.gate_up.scale_inv.defined() ? experts.gate_up.scale_inv.ptr<float>() : nullptr;
   a.w_down = experts.down.w.data();
   a.s_down = experts.down.scale_inv.defined() ? experts.down.scale_inv.ptr<float>() : nullptr;
-  a.shape = {T, static_cast<int>(ids.cols()), experts.num_experts, experts.hidden, experts.intermediate,
-             /*fp8_activations=*/opts_.moe_fp8_activations,
-             /*fp8_split=*/experts.gate_up.w.dtype() == DType::kF8E4M3};
+  a.shape = {T, static_cast<int>(ids.cols()), experts.num_experts, experts.hidden, experts.intermediate};
   a.out = act(out);
   a.ldo = out.ld();
   a.allow_fp8_activations = opts_.moe_fp8_activations;
+  // The kernels for this batch, chosen once here so that the workspace carves only the e4m3
+  // activation buffers that regime reads (at a prefill chunk they are ~0.1 GB of arena).
+  a.tuning = cuda::moe_tuning(a);
+  a.shape.fp8_activations = a.tuning->act_fp8;
+  a.shape.fp8_split = a.tuning->act_split && a.tuning->wgmma;
   // LoRA only when some token of the step uses a slot with expert LoRA here.
   cuda::MoeLoraDevice dev;
   cuda::MoeLoraShape lshape;
@@ -471,8 +474,11 @@ void CudaBackend::mla_attention_absorbed(const Tensor& q, const Tensor& latent, 
   if (mode_ == StepMode::kCapture) {
     pr.max_positions = kGraphMaxPositions;
   } else {
-    pr.max_positions = 1;
-    for (int32_t pos : batch_.positions) pr.max_positions = std::max(pr.max_positions, pos + 1);
+    if (step_max_positions_ == 0) {  // the same for every layer of the step
+      step_max_positions_ = 1;
+      for (int32_t pos : batch_.positions) step_max_positions_ = std::max(step_max_positions_, pos + 1);
+    }
+    pr.max_positions = step_max_positions_;
   }
   const cuda_plan::MlaPlan plan = cuda_plan::choose_mla_plan(pr);
 

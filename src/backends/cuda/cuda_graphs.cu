@@ -113,6 +113,7 @@ const StepBatch& CudaBackend::begin_step(const StepBatch& in) {
   if (!spills_.empty()) fit_scratch(arena_peak_ + arena_peak_ / 4);
   arena_used_ = 0;
   attn_planned_ = false;
+  step_max_positions_ = 0;
   meta_->lora_plans.clear();
   upload_step_metadata();
   meta_->plan_bytes = (8u << 20) + 256u * static_cast<size_t>(batch_.num_tokens());

@@ -257,7 +257,6 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   g.w_scale = a.s_gate_up;
   g.x = a.x;
   g.ldx = a.ldx;
-  g.x_rows = a.T;
   g.tile_pairs = ws.tile_pairs;
   g.align_tile_rows = al.tile_rows;
   g.tiles = ws.tiles;
@@ -325,7 +324,6 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   d.w_scale = a.s_down;
   d.x = ws.act;
   d.ldx = s.I;
-  d.x_rows = static_cast<int>(P);
   d.xq = ws.aq;
   d.ldxq = s.I;
   d.xs = ws.as;

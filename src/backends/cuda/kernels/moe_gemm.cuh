@@ -44,7 +44,6 @@ struct MoeGemmParams {
   const float* w_scale = nullptr;   // FP8 only
   const bf16* x = nullptr;          // gate_up: hidden [T, H] (row p / top_k); down: act [P, I] (row p)
   int64_t ldx = 0;                  // elements
-  int x_rows = 0;                   // rows of x (gate_up: tokens T; down: pairs P): the wgmma path's bounds
   // W8A8 (FP8 weights only): the same rows quantised per token per 128 channels
   // (launch_fp8_quant_per_token, token-major scales); the kernel then multiplies e4m3 x e4m3 and
   // reads neither x nor ldx.

@@ -239,7 +239,6 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* src, bool pred
 
 struct WgmmaParams {
   CUtensorMap w_map;  // FP8 weights [E * rows_per_expert, K] bytes, box 128 x (128 down | 64 gate_up)
-  CUtensorMap x_map;  // bf16 token rows [x_rows, K] (row stride ldx), box 64 x 1
   MoeGemmParams g;
 };
 
@@ -278,11 +277,8 @@ __global__ void __maxnreg__(BN == 64 ? 168 : 96) moe_gemm_wgmma_kernel(const __g
   const int num_items = num_tiles * nblocks;
 
   if (warp == kConsumerWarps) {
-    // ---- Producer warp: weight tiles and the tile's token rows, all by TMA.
-    if (lane == 0) {
-      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&wp.w_map)) : "memory");
-      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&wp.x_map)) : "memory");
-    }
+    // ---- Producer warp: weight tiles by TMA (one lane), the tile's token rows by cp.async (all lanes).
+    if (lane == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&wp.w_map)) : "memory");
     const int rows_per_expert = GATE_UP ? 2 * p.I : p.H;
     int stage = 0;
     uint32_t phase = 0;
@@ -509,33 +505,30 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
 
 struct MapKey {
   const void* base;
-  bool fp8;
   int64_t cols, rows, stride;
   int box_rows;
   bool operator==(const MapKey& o) const {
-    return base == o.base && fp8 == o.fp8 && cols == o.cols && rows == o.rows && stride == o.stride &&
-           box_rows == o.box_rows;
+    return base == o.base && cols == o.cols && rows == o.rows && stride == o.stride && box_rows == o.box_rows;
   }
 };
 struct MapKeyHash {
   size_t operator()(const MapKey& k) const {
     size_t h = std::hash<const void*>()(k.base);
-    for (int64_t v : {k.cols, k.rows, k.stride, static_cast<int64_t>(k.box_rows) * 2 + k.fp8})
+    for (int64_t v : {k.cols, k.rows, k.stride, static_cast<int64_t>(k.box_rows)})
       h = h * 1000003u ^ std::hash<int64_t>()(v);
     return h;
   }
 };
 
-// Encodes a 2-D row-major map: `rows` rows of `cols` elements of `esize` bytes, `stride` bytes
-// apart, boxes of box_cols x box_rows in the 128-byte swizzle.
-CUtensorMap encode_map(const void* base, CUtensorMapDataType type, int64_t cols, int64_t rows, int64_t stride,
-                       int box_cols, int box_rows) {
+// Encodes a 2-D row-major map of bytes: `rows` rows of `cols` bytes, `stride` bytes apart, boxes of
+// kKChunk x box_rows in the 128-byte swizzle.
+CUtensorMap encode_map(const void* base, int64_t cols, int64_t rows, int64_t stride, int box_rows) {
   CUtensorMap map{};
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kKChunk), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t estrides[2] = {1, 1};
-  const CUresult r = encode_fn()(&map, type, 2, const_cast<void*>(base), dims, strides, box, estrides,
+  const CUresult r = encode_fn()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, estrides,
                                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   MOELORA_CHECK_MSG(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed ({} x {}, stride {})", rows, cols, stride);
@@ -544,17 +537,16 @@ CUtensorMap encode_map(const void* base, CUtensorMapDataType type, int64_t cols,
 
 // Maps are pure functions of their key, so a cache hit is always right; the cache only saves the
 // host ~1 us per map in eager steps (graph replay bakes the maps into the graph). Bounded: the
-// keys are the weights (fixed) and the few scratch buffers activations live in.
-CUtensorMap cached_map(const void* base, bool fp8, int64_t cols, int64_t rows, int64_t stride, int box_rows) {
+// keys are the expert weights, which are fixed.
+CUtensorMap cached_map(const void* base, int64_t cols, int64_t rows, int64_t stride, int box_rows) {
   static std::mutex mu;
   static std::unordered_map<MapKey, CUtensorMap, MapKeyHash> cache;
-  const MapKey key{base, fp8, cols, rows, stride, box_rows};
+  const MapKey key{base, cols, rows, stride, box_rows};
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   if (cache.size() > 4096) cache.clear();
-  const CUtensorMap map = fp8 ? encode_map(base, CU_TENSOR_MAP_DATA_TYPE_UINT8, cols, rows, stride, kKChunk, box_rows)
-                              : encode_map(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cols, rows, stride, 64, box_rows);
+  const CUtensorMap map = encode_map(base, cols, rows, stride, box_rows);
   cache.emplace(key, map);
   return map;
 }
@@ -584,8 +576,7 @@ void launch(const MoeGemmParams& p, cudaStream_t stream) {
   wp.g = p;
   const int64_t rows = static_cast<int64_t>(p.E) * (GU ? 2 * p.I : p.H);
   const int K = GU ? p.H : p.I;
-  wp.w_map = cached_map(p.w, /*fp8=*/true, K, rows, K, GU ? kRowsPerItem / 2 : kRowsPerItem);
-  wp.x_map = cached_map(p.x, /*fp8=*/false, K, p.x_rows, p.ldx * 2, 1);
+  wp.w_map = cached_map(p.w, K, rows, K, GU ? kRowsPerItem / 2 : kRowsPerItem);
   const int nblocks = GU ? p.I / (kRowsPerItem / 2) : p.H / kRowsPerItem;
   const int64_t max_items = static_cast<int64_t>(p.max_tiles) * nblocks;
   const int grid =
@@ -607,7 +598,7 @@ void dispatch(const MoeGemmParams& p, cudaStream_t stream) {
   MOELORA_CHECK_MSG(p.wtype == MoeWeightType::kFp8, "the wgmma MoE GEMM takes FP8 weights");
   MOELORA_CHECK(!p.act_fp8 || (p.xq && p.xs && p.ldxq % 16 == 0 && (reinterpret_cast<uintptr_t>(p.xq) & 15) == 0 &&
                                (!p.xq_lo || (reinterpret_cast<uintptr_t>(p.xq_lo) & 15) == 0)));
-  MOELORA_CHECK(p.x && p.ldx % 8 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0 && p.x_rows >= 1);
+  MOELORA_CHECK(p.x && p.ldx % 8 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0);
   MOELORA_CHECK((reinterpret_cast<uintptr_t>(p.w) & 15) == 0 && p.w_scale && p.tile_pairs && p.tiles && p.counters);
   MOELORA_CHECK(p.align_tile_rows == moe_gemm_tile_rows(p.tile));
   MOELORA_CHECK(GU ? (p.act && p.top_k >= 1) : (p.y != nullptr));
