@@ -106,11 +106,6 @@ Status validate_stored_weight(const StoredWeight& w, const std::string& what) {
   return {};
 }
 
-int fp8_scale_row_block(int row, int block_out, int split_rows) {
-  if (split_rows <= 0 || row < split_rows) return row / block_out;
-  return (split_rows + block_out - 1) / block_out + (row - split_rows) / block_out;
-}
-
 void dequantize_fp8_block(const uint8_t* q, int rows, int cols, const float* scale_inv, int block_out,
                           int block_in, int split_rows, float* out) {
   const int col_blocks = (cols + block_in - 1) / block_in;

@@ -71,8 +71,12 @@ Tensor dequantize_to_f32(const StoredWeight& w);
 
 // ---- The dequantisation kernels themselves (host, exact as documented).
 // Row block of FP8 scale row `row` when rows [0, split_rows) and [split_rows, rows) were quantised
-// as separate matrices (see LinearWeight::split_rows); split_rows <= 0: one matrix.
-int fp8_scale_row_block(int row, int block_out, int split_rows);
+// as separate matrices (see LinearWeight::split_rows); split_rows <= 0: one matrix. constexpr, so
+// the CUDA kernels (built with --expt-relaxed-constexpr) call this same definition on the device.
+constexpr int fp8_scale_row_block(int row, int block_out, int split_rows) {
+  if (split_rows <= 0 || row < split_rows) return row / block_out;
+  return (split_rows + block_out - 1) / block_out + (row - split_rows) / block_out;
+}
 // W[i][j] = q[i][j] * scale_inv[row_block(i)][j / block_in].
 void dequantize_fp8_block(const uint8_t* q, int rows, int cols, const float* scale_inv, int block_out,
                           int block_in, int split_rows, float* out);

@@ -35,13 +35,6 @@ DenseSmallMTiling choose_dense_small_m_tiling(int M, int in, int row_groups, int
   return t;
 }
 
-int attention_decode_smem_bytes(int k_head_dim, int v_head_dim, int heads_per_block, int stages) {
-  constexpr int kWarps = 4, kTile = 16;
-  const int pipe = stages * kWarps * kTile * (k_head_dim + 8 + v_head_dim + 8) * 2;
-  const int merge = kWarps * heads_per_block * (v_head_dim + 4) * 4 + 2 * kWarps * heads_per_block * 4;
-  return std::max(pipe, merge);
-}
-
 namespace {
 // Hopper: 228 KB of shared memory per SM, 1 KB of it reserved per resident block.
 constexpr int kSmemPerSm = 228 * 1024, kSmemPerBlockReserved = 1024;

@@ -32,8 +32,14 @@ constexpr int kAttentionMinSplitPositions = 128;
 // Query heads of one KV head that a block takes: 8 (one MMA column tile) or 16.
 inline int attention_decode_heads_per_block(int group) { return group <= 8 ? 8 : 16; }
 // Dynamic shared memory of a decode block: 4 warps x `stages` tiles of 16 positions of K and V in
-// rows padded by 8 values, or the warps' merge area if larger. The kernel checks that it agrees.
-int attention_decode_smem_bytes(int k_head_dim, int v_head_dim, int heads_per_block, int stages);
+// rows padded by 8 values, or the warps' merge area if larger. The kernel allocates exactly this
+// (constexpr: it static_asserts that its layout fits).
+constexpr int attention_decode_smem_bytes(int k_head_dim, int v_head_dim, int heads_per_block, int stages) {
+  constexpr int kWarps = 4, kTile = 16;
+  const int pipe = stages * kWarps * kTile * (k_head_dim + 8 + v_head_dim + 8) * 2;
+  const int merge = kWarps * heads_per_block * (v_head_dim + 4) * 4 + 2 * kWarps * heads_per_block * 4;
+  return pipe > merge ? pipe : merge;
+}
 struct AttentionDecodeSplit {
   int max_splits = 1;  // splits of the longest sequence (the grid's extent)
   int stages = 2;      // K/V tiles per warp in shared memory (in flight + the one being used)

@@ -68,9 +68,14 @@ struct Cols {
   static constexpr int kStageElems = TP * (KRow + VRow);
   static constexpr int kMergeBytes = kWarps * HEADS * (DV + 4) * 4 + 2 * kWarps * HEADS * 4;
   static_assert(DK % 16 == 0 && DV % 16 == 0, "head dims");
+  // What the block allocates: cuda_plan's size (its wave model reads the same number), which must
+  // hold this layout's stages and merge area at every depth.
   static constexpr int smem_bytes(int stages) {
-    return std::max(stages * kWarps * kStageElems * 2, kMergeBytes);
+    return cuda_plan::attention_decode_smem_bytes(DK, DV, HEADS, stages);
   }
+  static_assert(smem_bytes(2) >= 2 * kWarps * kStageElems * 2 && smem_bytes(2) >= kMergeBytes &&
+                    smem_bytes(kMaxStages) >= kMaxStages * kWarps * kStageElems * 2,
+                "cuda_plan::attention_decode_smem_bytes does not cover the kernel's shared memory");
 };
 
 // One warp's copy of the K and V rows of positions [p0, p0 + 16) into stage `st` (zeros for
@@ -284,8 +289,6 @@ void launch_cols(const KParams& k, cudaStream_t stream) {
   KParams kp = k;
   kp.stages = std::clamp(k.stages, 2, kMaxStages);
   const int smem = C::smem_bytes(kp.stages);
-  MOELORA_CHECK_MSG(smem == cuda_plan::attention_decode_smem_bytes(DK, DV, C::HEADS, kp.stages),
-                    "decode attention: the plan's shared-memory model disagrees with the kernel");
   MOELORA_CHECK(cuda_plan::attention_decode_heads_per_block(k.group) == C::HEADS);
   const dim3 grid(k.a.kv_heads * k.head_tiles, k.a.T, k.max_splits);
   launch_pdl(attn_decode_cols_kernel<DK, DV, NT>, dim3(grid), dim3(kThreads), smem, stream, kp);

@@ -18,6 +18,7 @@
 #include "backends/cuda/kernels/dense_gemm.cuh"
 #include "backends/cuda/kernels/fp8_quant.cuh"
 #include "backends/cuda_plan/dense_choices.h"
+#include "ops/weight_format.h"
 
 namespace moelora::cuda {
 namespace {
@@ -37,11 +38,6 @@ struct SmallMParams {
   float* y_f32;
   int64_t ld_y;
 };
-
-__device__ __forceinline__ int scale_row_block(int r, int bo, int split) {
-  if (split <= 0 || r < split) return r / bo;
-  return (split + bo - 1) / bo + (r - split) / bo;
-}
 
 // The raw weight bytes of one lane for one 16-row tile and K block (rows r0 and r1, 32 elements
 // each): FP8 2 x 32 bytes, bf16 2 x 64 bytes. Kept raw so that the next block can be in flight
@@ -119,8 +115,8 @@ __global__ void __launch_bounds__(kBlockThreads) dense_small_m_kernel(SmallMPara
   const float* srow0 = nullptr;
   const float* srow1 = nullptr;
   if constexpr (kFp8) {
-    srow0 = p.scale_inv + static_cast<int64_t>(scale_row_block(v0 ? r0 : 0, p.block_out, p.split_rows)) * p.scale_cols;
-    srow1 = p.scale_inv + static_cast<int64_t>(scale_row_block(v1 ? r1 : 0, p.block_out, p.split_rows)) * p.scale_cols;
+    srow0 = p.scale_inv + static_cast<int64_t>(fp8_scale_row_block(v0 ? r0 : 0, p.block_out, p.split_rows)) * p.scale_cols;
+    srow1 = p.scale_inv + static_cast<int64_t>(fp8_scale_row_block(v1 ? r1 : 0, p.block_out, p.split_rows)) * p.scale_cols;
   }
 
   float acc[MT][4];
@@ -220,7 +216,7 @@ __global__ void dense_naive_kernel(SmallMParams p, bool fp8) {
   float acc = 0.0f;
   if (fp8) {
     const uint8_t* w = static_cast<const uint8_t*>(p.w) + static_cast<int64_t>(n) * p.K;
-    const float* srow = p.scale_inv + static_cast<int64_t>(scale_row_block(n, p.block_out, p.split_rows)) * p.scale_cols;
+    const float* srow = p.scale_inv + static_cast<int64_t>(fp8_scale_row_block(n, p.block_out, p.split_rows)) * p.scale_cols;
     for (int k = lane; k < p.K; k += 32) {
       const float wv = __half2float(__half(__nv_cvt_fp8_to_halfraw(w[k], __NV_E4M3))) * srow[k / kKBlock];
       acc = fmaf(__bfloat162float(x[k]), wv, acc);

@@ -21,6 +21,7 @@
 #include "backends/cuda/cuda_utils.cuh"
 #include "backends/cuda/kernels/mla_attention.cuh"
 #include "backends/cuda_plan/shape_limits.h"
+#include "ops/weight_format.h"
 
 namespace moelora::cuda {
 namespace {
@@ -88,6 +89,25 @@ __device__ __forceinline__ TokenLora token_lora(const MlaAbsorbedParams& p, int 
   return l;
 }
 
+// The absorptions' inner loop, shared by both: acc[tt] += sum over the n staged depth rows d of
+// stage[d][tt] * w[d * w_stride] (one weight column; a float4 of the stage gives 4 tokens).
+__device__ __forceinline__ void fma_staged(const float (&stage)[kStageDepth][kStagePitch], const bf16* w,
+                                           int64_t w_stride, int n, float (&acc)[kAbsorbTokens]) {
+#pragma unroll 4
+  for (int d = 0; d < n; ++d) {
+    const float wv = bf(w[static_cast<int64_t>(d) * w_stride]);
+    const float4* s4 = reinterpret_cast<const float4*>(stage[d]);
+#pragma unroll
+    for (int k = 0; k < kAbsorbTokens / 4; ++k) {
+      const float4 s = s4[k];
+      acc[4 * k] += s.x * wv;
+      acc[4 * k + 1] += s.y * wv;
+      acc[4 * k + 2] += s.z * wv;
+      acc[4 * k + 3] += s.w * wv;
+    }
+  }
+}
+
 // ---- 1. qc = W_UK_h^T q_nope_h, and the cache write.
 __global__ void __launch_bounds__(kAbsorbThreads) query_absorb_kernel(MlaAbsorbedParams p, int t0, int tc,
                                                                         float* lat) {
@@ -119,22 +139,7 @@ __global__ void __launch_bounds__(kAbsorbThreads) query_absorb_kernel(MlaAbsorbe
         stage[dd][tt] = tt < nt && dd < nd ? bf(q[static_cast<int64_t>(tt) * p.ld_q + d0 + dd]) : 0.0f;
       }
       __syncthreads();
-      if (i < p.R) {
-        const bf16* w = p.w_uk + (static_cast<int64_t>(h) * p.nope + d0) * p.R + i;
-#pragma unroll 4
-        for (int dd = 0; dd < nd; ++dd) {
-          const float wv = bf(w[static_cast<int64_t>(dd) * p.R]);
-          const float4* s4 = reinterpret_cast<const float4*>(stage[dd]);
-#pragma unroll
-          for (int k = 0; k < kAbsorbTokens / 4; ++k) {
-            const float4 s = s4[k];
-            acc[4 * k] += s.x * wv;
-            acc[4 * k + 1] += s.y * wv;
-            acc[4 * k + 2] += s.z * wv;
-            acc[4 * k + 3] += s.w * wv;
-          }
-        }
-      }
+      if (i < p.R) fma_staged(stage, p.w_uk + (static_cast<int64_t>(h) * p.nope + d0) * p.R + i, p.R, nd, acc);
     }
     if (i < p.R) {
       float* dst = lat + (static_cast<int64_t>(tt0) * p.heads + h) * p.R + i;
@@ -411,22 +416,7 @@ __global__ void __launch_bounds__(kAbsorbThreads) output_absorb_kernel(MlaAbsorb
         stage[ii][tt] = tt < nt && ii < ni ? src[static_cast<int64_t>(tt) * p.heads * p.R + i0 + ii] : 0.0f;
       }
       __syncthreads();
-      if (e < p.v_dim) {
-        const bf16* w = p.w_uv_t + (static_cast<int64_t>(h) * p.R + i0) * p.v_dim + e;
-#pragma unroll 4
-        for (int ii = 0; ii < ni; ++ii) {
-          const float wv = bf(w[static_cast<int64_t>(ii) * p.v_dim]);
-          const float4* s4 = reinterpret_cast<const float4*>(stage[ii]);
-#pragma unroll
-          for (int k = 0; k < kAbsorbTokens / 4; ++k) {
-            const float4 s = s4[k];
-            acc[4 * k] += s.x * wv;
-            acc[4 * k + 1] += s.y * wv;
-            acc[4 * k + 2] += s.z * wv;
-            acc[4 * k + 3] += s.w * wv;
-          }
-        }
-      }
+      if (e < p.v_dim) fma_staged(stage, p.w_uv_t + (static_cast<int64_t>(h) * p.R + i0) * p.v_dim + e, p.v_dim, ni, acc);
     }
     if (e < p.v_dim) {
       const int64_t brow = static_cast<int64_t>(h) * F + p.nope + e;  // B_UV_h row e
@@ -460,10 +450,7 @@ __global__ void prepare_weights_kernel(MlaWeightPrep p) {
     if (p.fp8) {
       __nv_fp8_e4m3 code;
       code.__x = static_cast<const uint8_t*>(p.w)[idx];
-      // Scale row block as fp8_scale_row_block (ops/weight_format.h).
-      const int rb = p.split_rows > 0 && row >= p.split_rows
-                         ? (p.split_rows + p.block_out - 1) / p.block_out + (row - p.split_rows) / p.block_out
-                         : row / p.block_out;
+      const int rb = fp8_scale_row_block(row, p.block_out, p.split_rows);
       w = static_cast<float>(code) * p.scale_inv[static_cast<int64_t>(rb) * col_blocks + col / p.block_in];
     } else {
       w = bf(static_cast<const bf16*>(p.w)[idx]);
