@@ -3,6 +3,8 @@
 # scripts/device_prepare.sh). Runs the stages named as arguments (default: all), logging to $OUT
 # (QUICK=1: the bench stage skips its rank-64 and Mixtral points):
 #   ops      the op suite (every CUDA kernel vs the CPU reference)
+#   shapes   fixtures at other model shapes (needs .devpack/make_fixtures.py, the team's generator)
+#            and verify on them, CPU and CUDA (three modes, MLA both forms); archived back
 #   verify   moelora verify on every public fixture: graphs + overlap, eager, overlap off
 #   bench    moelora bench (decode steps with sampling, prefill) with JSON records
 #   serve    moelora serve --backend cuda on the bundled model, driven over HTTP
@@ -39,6 +41,27 @@ for stage in $stages; do
     # One archive (the device tool brings back a limited number of files per call).
     tar -cf $out/nvfp4_fixtures.tar tests/fixtures/*/cases.json tests/fixtures/*/expected-nvfp4.safetensors
     tar -tf $out/nvfp4_fixtures.tar ;;
+  shapes)
+    # Fixtures at shapes the public ones lack (scripts/make_shape_fixtures.py: the team's generator,
+    # carried as .devpack/make_fixtures.py, with other model shapes; NVFP4 from them), then verify
+    # on them: CPU (the spec) and CUDA in its three modes, MLA in both forms. The fixtures come
+    # back as one archive to be committed under tests/fixtures-shapes.
+    echo "== shape fixtures"
+    rm -rf tests/fixtures-shapes
+    timeout 300 python3 scripts/make_shape_fixtures.py .devpack/make_fixtures.py tests/fixtures-shapes \
+      > $out/shape_fixtures.log 2>&1; echo "exit $?"; tail -3 $out/shape_fixtures.log
+    python3 scripts/make_nvfp4_fixtures.py quantize tests/fixtures-shapes >> $out/shape_fixtures.log 2>&1
+    timeout 200 python3 scripts/make_nvfp4_fixtures.py references tests/fixtures-shapes >> $out/shape_fixtures.log 2>&1
+    echo "nvfp4 exit $?"; tail -3 $out/shape_fixtures.log
+    tar -cf $out/fixtures_shapes.tar tests/fixtures-shapes
+    timeout 200 $bin verify --fixtures tests/fixtures-shapes --backend cpu > $out/verify_shapes_cpu.log 2>&1
+    echo "cpu exit $?"; grep "all cases" $out/verify_shapes_cpu.log; tail -1 $out/verify_shapes_cpu.log
+    for mode in "" "--no-graphs" "--no-overlap" "--mla decompressed"; do
+      log=$out/verify_shapes_cuda${mode//[- ]/_}.log
+      echo "== verify shapes cuda $mode"
+      timeout 150 $bin verify --fixtures tests/fixtures-shapes --backend cuda $mode > $log 2>&1; echo "exit $?"
+      grep "all cases" $log; tail -1 $log
+    done ;;
   ops)
     echo "== op suite"
     timeout 300 ./.device/moelora_op_suite --gtest_brief=1 > $out/op_suite.log 2>&1; echo "exit $?"

@@ -71,6 +71,7 @@ RopeTable make_rope_table(const ModelConfig& cfg) {
 ModelShapes model_shapes(const ModelConfig& cfg, bool mla_absorbed) {
   ModelShapes s;
   s.arch = cfg.model_type;
+  s.num_layers = cfg.num_layers;
   s.hidden = cfg.hidden_size;
   s.vocab = cfg.vocab_size;
   s.heads = cfg.num_heads;
@@ -146,7 +147,7 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, Backend& back
   MOELORA_RETURN_IF_ERROR(m->choose_mla_form(opts).with_context(dir + ": "));
   MOELORA_RETURN_IF_ERROR(backend.check_model_shapes(m->shapes()).with_context(dir + ": "));
   MOELORA_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::open(dir));
-  MOELORA_ASSIGN_OR_RETURN(m->weights_, load_model_weights(ck, cfg, backend));
+  MOELORA_ASSIGN_OR_RETURN(m->weights_, load_model_weights(ck, cfg, backend, backend.derived_weight_bytes(m->shapes())));
   m->rope_ = make_rope_table(cfg);
   return m;
 }

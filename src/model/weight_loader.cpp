@@ -265,20 +265,26 @@ Result<size_t> device_weight_bytes(const Checkpoint& ck, const ModelConfig& cfg,
   return need;
 }
 
-Result<ModelWeights> load_model_weights(const Checkpoint& ck, const ModelConfig& cfg, Backend& backend) {
+Result<ModelWeights> load_model_weights(const Checkpoint& ck, const ModelConfig& cfg, Backend& backend,
+                                        size_t derived_bytes) {
   // First every tensor is checked and its device bytes summed, then everything is uploaded: a
   // malformed or oversized checkpoint is refused before any memory is taken.
-  MOELORA_ASSIGN_OR_RETURN(const size_t need, device_weight_bytes(ck, cfg, backend));
+  MOELORA_ASSIGN_OR_RETURN(const size_t weights, device_weight_bytes(ck, cfg, backend));
+  const size_t need = weights + derived_bytes;
   size_t free = 0, total = 0;
   if (backend.device_memory(&free, &total) && need > free) {
     const double gib = 1024.0 * 1024.0 * 1024.0;
+    const std::string derived =
+        derived_bytes ? fmt::format(", {:.2f} GiB of it derived by the backend on first use (absorbed MLA's kv_b copies)",
+                                    derived_bytes / gib)
+                      : "";
     return make_error(ErrorCode::kResourceExhausted,
-                      "checkpoint {}: the weights take {:.2f} GiB on this device ({}{}) but {:.2f} GiB of {:.2f} GiB "
+                      "checkpoint {}: the weights take {:.2f} GiB on this device ({}{}{}) but {:.2f} GiB of {:.2f} GiB "
                       "are free; use a GPU with more memory, spread the model over GPUs (--tp/--ep), or a smaller "
                       "checkpoint",
                       ck.dir(), need / gib, cfg.weight_format.describe(),
-                      cfg.weight_format.is_nvfp4() ? "; NVFP4 is held as bf16 on the GPU until its 4-bit kernels exist" : "", free / gib,
-                      total / gib);
+                      cfg.weight_format.is_nvfp4() ? "; NVFP4 is held as bf16 on the GPU until its 4-bit kernels exist" : "",
+                      derived, free / gib, total / gib);
   }
   Loader upload{ck, cfg, backend};
   return upload.run();

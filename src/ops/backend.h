@@ -49,6 +49,11 @@ class Backend {
   // Defaults: exactly the elements' bytes; a linear in f32 (the CPU reference).
   virtual size_t upload_bytes(DType dtype, int64_t numel) const { return static_cast<size_t>(numel) * dtype_size(dtype); }
   virtual size_t linear_bytes(const StoredWeight& w) const { return upload_bytes(DType::kF32, int64_t{w.out} * w.in); }
+  // Bytes the backend will derive from a model's weights on their first use and keep (CUDA:
+  // absorbed MLA's bf16 copies of kv_b in its kernels' layouts): the loader's fits-in-memory check
+  // counts them with the weights, so a model that only just fits is refused at load instead of
+  // failing an allocation in its first step. Default: none.
+  virtual size_t derived_weight_bytes(const ModelShapes&) const { return 0; }
   // Routed experts from per-expert checkpoint weights (gate[e], up[e]: [I, H]; down[e]: [H, I]),
   // all of one format.
   virtual ExpertWeights upload_experts(const std::vector<StoredWeight>& gate, const std::vector<StoredWeight>& up,

@@ -14,6 +14,7 @@ namespace moelora {
 
 struct ModelShapes {
   std::string arch;  // for messages ("qwen3_moe", ...)
+  int num_layers = 0;
   int hidden = 0;
   int vocab = 0;
   // Attention as the decompressed KV cache holds it (MLA: per-head K and V of nope + rope / v_dim

@@ -93,6 +93,15 @@ TEST(MlaPlan, LongPrefillRunsInPassesUnderTheBudget) {
   EXPECT_EQ(lora.lora_bytes % 256, 0u);
 }
 
+TEST(MlaAbsorbedWeights, CopiesOfKvBAreCountedAsTheBackendAllocatesThem) {
+  // DeepSeek-V3: 61 layers x 128 heads x 512 latent x (128 nope + 128 v) bf16 = 32 MiB per layer.
+  EXPECT_EQ(mla_absorbed_weight_bytes(61, 128, 128, 128, 512), size_t{61} * 32 * 1024 * 1024);
+  // Each of the two copies is its own 256-byte-granular allocation (at least 16 bytes).
+  EXPECT_EQ(mla_absorbed_weight_bytes(1, 1, 1, 1, 8), size_t{2} * 256);
+  EXPECT_EQ(mla_absorbed_weight_bytes(2, 4, 48, 80, 48), size_t{2} * (4 * 48 * 48 * 2 + (4 * 48 * 80 * 2 + 255) / 256 * 256));
+  EXPECT_EQ(mla_absorbed_weight_bytes(0, 128, 128, 128, 512), 0u);
+}
+
 TEST(MlaPlan, EveryProblemGetsAConsistentPlan) {
   std::mt19937 rng(7);
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };

@@ -3,6 +3,8 @@
 // stays within what moe_align's fused router handles.
 #include <gtest/gtest.h>
 
+#include <utility>
+
 #include "backends/cuda_plan/moe_choices.h"
 
 namespace moelora::cuda_plan {
@@ -105,6 +107,30 @@ TEST(MoeChoices, TheSplitFormWgmmaGemmFromTwoTokensToTwentyFourPerExpert) {
   EXPECT_FALSE(choose_moe_tuning(p).wgmma);
   EXPECT_FALSE(moe_wgmma_shape_ok(2048, 768 + 64));
   EXPECT_TRUE(moe_wgmma_shape_ok(7168, 2048));  // DeepSeek-V3
+}
+
+TEST(MoeChoices, ShapesNoTensorCoreTileTakesRunTheGenericGemmsInBf16) {
+  // H or I a multiple of 16 but not of 64 (e.g. moe_intermediate_size 96): the generic kernels,
+  // whatever the batch, and never W8A8, split form or wgmma, which they do not implement.
+  for (auto [H, I] : {std::pair{2048, 96}, std::pair{80, 768}, std::pair{208, 144}, std::pair{256, 48}}) {
+    for (int T : {1, 8, 64, 256, 8192}) {
+      MoeProblem p{.T = T, .k = 8, .E = 128, .H = H, .I = I};
+      p.allow_fp8_activations = true;
+      const MoeTuning t = choose_moe_tuning(p);
+      EXPECT_TRUE(t.generic) << H << "/" << I << " T " << T;
+      EXPECT_FALSE(t.wgmma || t.act_fp8 || t.act_split) << H << "/" << I << " T " << T;
+    }
+    EXPECT_FALSE(moe_mma_shape_ok(H, I));
+    EXPECT_TRUE(moe_shape_supported(H, I));
+  }
+  // Shapes the tensor-core kernels take never go generic.
+  for (int T : {1, 8, 64, 256, 8192}) {
+    EXPECT_FALSE(choose_moe_tuning(MoeProblem{.T = T, .k = 8, .E = 128, .H = 2048, .I = 768}).generic) << T;
+    EXPECT_FALSE(choose_moe_tuning(MoeProblem{.T = T, .k = 2, .E = 8, .H = 128, .I = 192}).generic) << T;
+  }
+  EXPECT_TRUE(moe_mma_shape_ok(128, 192));
+  EXPECT_FALSE(moe_shape_supported(2048, 776));  // a multiple of 8 only
+  EXPECT_FALSE(moe_shape_supported(0, 768));
 }
 
 }  // namespace

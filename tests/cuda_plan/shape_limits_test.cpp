@@ -119,25 +119,44 @@ TEST(ShapeLimits, ShapesComeFromTheConfigAsTheForwardPassUsesThem) {
   EXPECT_EQ(q.lora_slots, 0);  // the engine adds its capacity
 }
 
-TEST(ShapeLimits, AttentionHeadDimsOutsideTheBuiltPairsAreRefused) {
+TEST(ShapeLimits, AttentionHeadDimsBeyondTheGenericKernelAreRefused) {
   ModelShapes s = qwen3_30b();
-  s.k_head_dim = 64;
-  s.v_head_dim = 48;
+  s.k_head_dim = 264;
+  s.v_head_dim = 128;
   s.rope_dim = 64;  // still inside the head: only the attention kernels object
-  expect_one(s, {"attention", "head dims k=64, v=48", "(32, 32)", "(48, 32)", "(192, 128)"});
+  expect_one(s, {"attention", "head dims k=264, v=128", "multiple of 8", "at most 256"});
+  s.k_head_dim = 68;  // not a multiple of 8: the generic kernel reads K rows in 16-byte pieces
+  expect_one(s, {"attention", "head dims k=68, v=128"});
+  s.k_head_dim = 128;
+  s.v_head_dim = 272;
+  expect_one(s, {"attention", "head dims k=128, v=272"});
 }
 
-TEST(ShapeLimits, EveryBuiltHeadDimPairIsAccepted) {
-  for (const HeadDims& d : kAttentionHeadDims) {
+TEST(ShapeLimits, AnyHeadDimsUpTo256AreAcceptedAndTheKernelIsChosenByPair) {
+  for (const HeadDims& d : kTensorCoreHeadDims) {
     ModelShapes s = qwen3_30b();
     s.k_head_dim = d.k;
     s.v_head_dim = d.v;
     s.rope_dim = d.k - 16;  // fits
     expect_ok(s);
+    EXPECT_EQ(choose_attention_kernel(d.k, d.v), AttentionKernel::kTensorCore);
   }
-  EXPECT_FALSE(attention_head_dims_supported(128, 64));
-  EXPECT_FALSE(attention_head_dims_supported(96, 96));
-  EXPECT_FALSE(attention_head_dims_supported(256, 256));
+  // Every multiple of 16 up to 256 for k and v, k != v included (the range): some kernel.
+  for (int k = 16; k <= 256; k += 16)
+    for (int v = 16; v <= 256; v += 16) {
+      ModelShapes s = qwen3_30b();
+      s.k_head_dim = k;
+      s.v_head_dim = v;
+      s.rope_dim = k;
+      expect_ok(s);
+      EXPECT_NE(choose_attention_kernel(k, v), AttentionKernel::kUnsupported) << k << "/" << v;
+    }
+  EXPECT_EQ(choose_attention_kernel(128, 64), AttentionKernel::kGeneric);
+  EXPECT_EQ(choose_attention_kernel(96, 96), AttentionKernel::kGeneric);
+  EXPECT_EQ(choose_attention_kernel(256, 256), AttentionKernel::kGeneric);
+  EXPECT_EQ(choose_attention_kernel(40, 24), AttentionKernel::kGeneric);
+  EXPECT_EQ(choose_attention_kernel(36, 32), AttentionKernel::kUnsupported);
+  EXPECT_EQ(choose_attention_kernel(0, 32), AttentionKernel::kUnsupported);
 }
 
 TEST(ShapeLimits, QueryHeadsMustBeAMultipleOfKvHeads) {
@@ -158,23 +177,29 @@ TEST(ShapeLimits, RotaryDimsMustBeEvenAndInsideTheHead) {
 
 TEST(ShapeLimits, HiddenSizeNotAMultipleOf64IsRefused) {
   ModelShapes s = qwen3_30b();
-  s.hidden = 2048 + 32;  // still a multiple of 32: only the expert GEMMs object
+  s.hidden = 2048 + 16;  // multiples of 16 run (the generic expert GEMMs)
   for (auto& in : s.lora_inputs)
     if (in.in == 2048) in.in = s.hidden;
-  expect_one(s, {"MoE experts", "hidden_size 2080", "multiple of 64"});
+  expect_ok(s);
+  s.hidden = 2048 + 8;  // still a multiple of 8: only the expert GEMMs object
+  for (auto& in : s.lora_inputs)
+    if (in.in == 2064) in.in = s.hidden;
+  expect_one(s, {"MoE experts", "hidden_size 2056", "multiple of 16"});
 }
 
-TEST(ShapeLimits, ExpertIntermediateNotAMultipleOf64IsRefused) {
+TEST(ShapeLimits, ExpertIntermediateNotAMultipleOf16IsRefused) {
   ModelShapes s = qwen3_30b();
-  s.moe_intermediate = 768 + 32;
-  expect_one(s, {"MoE experts", "intermediate size 800", "multiple of 64"});
+  s.moe_intermediate = 768 + 16;
+  expect_ok(s);
+  s.moe_intermediate = 768 + 8;
+  expect_one(s, {"MoE experts", "intermediate size 776", "multiple of 16"});
 }
 
 TEST(ShapeLimits, MoeLimitsDoNotApplyWithoutExperts) {
   ModelShapes s = qwen3_30b();
   s.num_experts = 0;
-  s.hidden = 2080;
-  s.moe_intermediate = 800;
+  s.hidden = 2056;
+  s.moe_intermediate = 776;
   s.top_k = 0;
   s.lora_slots = 100000;
   expect_ok(s);
@@ -262,10 +287,11 @@ TEST(ShapeLimits, VocabularyOf2To24TokensIsRefused) {
   expect_one(s, {"sampling", "vocab_size 16777216", "2^24"});
 }
 
-TEST(ShapeLimits, LoraTargetWithAnInputWidthNotAMultipleOf32IsRefused) {
+TEST(ShapeLimits, LoraTargetWithAnInputWidthNotAMultipleOf8IsRefused) {
   // A DeepSeek model whose q_lora_rank (q_b_proj's input) is 100: the real config path.
   const ModelShapes s = deepseek_fixture([](nlohmann::json& j) { j["q_lora_rank"] = 100; });
-  expect_one(s, {"LoRA", "q_b_proj", "input width 100", "multiple of 32"});
+  expect_one(s, {"LoRA", "q_b_proj", "input width 100", "multiple of 8"});
+  expect_ok(deepseek_fixture([](nlohmann::json& j) { j["q_lora_rank"] = 104; }));
 }
 
 TEST(ShapeLimits, AdapterRankAbove128IsRefused) {
@@ -277,12 +303,12 @@ TEST(ShapeLimits, AdapterRankAbove128IsRefused) {
 }
 
 TEST(ShapeLimits, AbsorbedMlaIsJudgedByTheLatentKernelsNotTheHeadDims) {
-  // Head dims no attention kernel is built for (k = 64 + 32, v = 64): refused decompressed only.
+  // Head dims no attention kernel takes (k = 248 + 16 > 256, v = 64): refused decompressed only.
   ModelShapes s = deepseek_fixture();
-  s.k_head_dim = 96;
+  s.k_head_dim = 264;
   s.v_head_dim = 64;
-  s.rope_offset = 80;
-  expect_one(s, {"attention", "head dims k=96, v=64"});
+  s.rope_offset = 248;
+  expect_one(s, {"attention", "head dims k=264, v=64"});
   s.mla_absorbed = true;
   expect_ok(s);
   // DeepSeek-V3 itself in both forms.
@@ -296,10 +322,10 @@ TEST(ShapeLimits, AbsorbedMlaIsJudgedByTheLatentKernelsNotTheHeadDims) {
   // Models without MLA ignore the flag.
   ModelShapes q = qwen3_30b();
   q.mla_absorbed = true;
-  q.k_head_dim = 96;
-  q.v_head_dim = 96;
+  q.k_head_dim = 264;
+  q.v_head_dim = 264;
   q.rope_dim = 64;  // inside the head: only the attention kernels object
-  expect_one(q, {"attention", "head dims k=96, v=96"});
+  expect_one(q, {"attention", "head dims k=264, v=264"});
 }
 
 TEST(ShapeLimits, AbsorbedMlaCacheRowsWiderThanTheLatentKernelsTakeAreRefused) {
@@ -315,18 +341,18 @@ TEST(ShapeLimits, AbsorbedMlaCacheRowsWiderThanTheLatentKernelsTakeAreRefused) {
 
 TEST(ShapeLimits, EveryViolationIsNamedInOneMessage) {
   ModelShapes s = qwen3_30b();
-  s.k_head_dim = 64;
+  s.k_head_dim = 264;
   s.v_head_dim = 48;
   s.rope_dim = 64;  // still inside the head: only the attention kernels object
-  s.moe_intermediate = 800;
+  s.moe_intermediate = 776;
   s.max_lora_rank = 256;
   EXPECT_EQ(shape_limit_violations(s).size(), 3u);
   const Status st = check_shape_limits(s);
   ASSERT_FALSE(st.ok());
-  EXPECT_EQ(st.message().rfind("the CUDA kernels cannot run this qwen3_moe model: attention: head dims k=64, v=48", 0),
+  EXPECT_EQ(st.message().rfind("the CUDA kernels cannot run this qwen3_moe model: attention: head dims k=264, v=48", 0),
             0u)
       << st.message();
-  EXPECT_NE(st.message().find("intermediate size 800"), std::string::npos);
+  EXPECT_NE(st.message().find("intermediate size 776"), std::string::npos);
   EXPECT_NE(st.message().find("rank up to 256"), std::string::npos);
 }
 

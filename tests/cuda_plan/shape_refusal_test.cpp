@@ -69,7 +69,7 @@ TEST(ShapeRefusal, ModelLoadRefusesBeforeReadingAnyWeight) {
   // missing checkpoint.
   testutil::TempDir dir;
   nlohmann::json j = tiny_config();
-  j["head_dim"] = 40;  // (40, 40): no attention kernel
+  j["head_dim"] = 36;  // (36, 36): no attention kernel (the generic one reads 8-value pieces)
   testutil::write_file(dir.sub("config.json"), j.dump());
   CudaLimitsBackend cuda_like;
   auto refused = Model::load(dir.str(), cuda_like);
@@ -77,8 +77,8 @@ TEST(ShapeRefusal, ModelLoadRefusesBeforeReadingAnyWeight) {
   EXPECT_EQ(refused.status().code(), ErrorCode::kUnsupported);
   const std::string msg = refused.status().message();
   EXPECT_TRUE(contains(msg, dir.str())) << msg;
-  EXPECT_TRUE(contains(msg, "head dims k=40, v=40")) << msg;
-  EXPECT_TRUE(contains(msg, "(192, 128)")) << msg;
+  EXPECT_TRUE(contains(msg, "head dims k=36, v=36")) << msg;
+  EXPECT_TRUE(contains(msg, "multiple of 8")) << msg;
   // The CPU reference takes the shapes: it gets as far as the (missing) checkpoint.
   CpuBackend cpu;
   auto on_cpu = Model::load(dir.str(), cpu);
@@ -163,8 +163,8 @@ TEST(ShapeRefusal, MlaModelsAreJudgedInTheFormTheyWillRun) {
   std::ifstream f(kDeepseek / "config.json");
   const nlohmann::json base = nlohmann::json::parse(f);
   nlohmann::json odd_heads = base;
-  odd_heads["v_head_dim"] = 40;  // (48, 40): no attention kernel
-  EXPECT_TRUE(contains(try_load(odd_heads, MlaMode::kDecompressed), "head dims k=48, v=40"));
+  odd_heads["v_head_dim"] = 264;  // (48, 264): no attention kernel
+  EXPECT_TRUE(contains(try_load(odd_heads, MlaMode::kDecompressed), "head dims k=48, v=264"));
   const std::string absorbed = try_load(odd_heads, MlaMode::kAuto);
   EXPECT_FALSE(contains(absorbed, "head dims")) << absorbed;
   EXPECT_FALSE(contains(absorbed, "cannot run")) << absorbed;

@@ -365,6 +365,15 @@ TEST(WeightsThatDoNotFit, AreRefusedBeforeAnythingIsUploaded) {
   SmallDevice exact(*need);
   EXPECT_TRUE(load_model_weights(*ck, *cfg, exact).ok());
   EXPECT_GT(exact.uploads, 0);
+
+  // What the backend will derive from the weights on first use counts as well (absorbed MLA's kv_b
+  // copies on CUDA): the same device with room for the weights alone is refused, naming it.
+  SmallDevice weights_only(*need);
+  auto derived = load_model_weights(*ck, *cfg, weights_only, 1 << 20);
+  ASSERT_FALSE(derived.ok());
+  EXPECT_EQ(derived.status().code(), ErrorCode::kResourceExhausted);
+  EXPECT_NE(derived.status().message().find("derived by the backend"), std::string::npos) << derived.status().message();
+  EXPECT_EQ(weights_only.uploads, 0);
 }
 
 }  // namespace

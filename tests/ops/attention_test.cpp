@@ -214,6 +214,23 @@ std::vector<AttnCase> attn_cases() {
     c.graph = true;
     add(c);
   }
+  // Head dims without a tensor-core instance: the generic kernel (attention_generic.cu), decode,
+  // prefill after a cached prefix and mixed steps; k != v both ways, k a multiple of 8 but not 16,
+  // the 256 limit, odd page sizes, contexts past one 32-position chunk and long ones, a graph.
+  add({{30, 7, 0}, {1, 1, 1}, 4, 2, 80, 48, 16});
+  add({{50, 3, 0}, {1, 17, 1}, 4, 2, 80, 48, 16});
+  add({{0}, {45}, 6, 3, 16, 16, 5});
+  add({{33}, {20}, 2, 2, 96, 160, 8});
+  add({{65, 0}, {1, 31}, 3, 1, 40, 24, 7});
+  add({{70, 200}, {1, 1}, 8, 1, 256, 256, 16});
+  add({{3000}, {1}, 4, 2, 80, 48, 16});
+  add({{64, 63}, {1, 1}, 4, 4, 64, 48, 16});  // DeepSeek-shaped decompressed MLA (nope + rope 64, v 48)
+  add({{25, 0}, {1, 6}, 2, 1, 32, 20, 16});   // v not a multiple of 8: scalar V reads and stores
+  {
+    AttnCase c{{0, 45}, {9, 1}, 4, 1, 64, 32, 16};
+    c.graph = true;
+    add(c);
+  }
   return v;
 }
 
@@ -223,7 +240,8 @@ INSTANTIATE_TEST_SUITE_P(Attn, Attention, ::testing::ValuesIn(attn_cases()), att
 std::vector<AttnCase> attn_sanitize_cases() {
   return {{{300, 40}, {1, 1}, 4, 2, 32, 32, 16, 0, 8},  // decode with splits + combine
           {{10, 0}, {9, 5}, 4, 2, 48, 32, 5},             // prefill, odd page size
-          {{30}, {1}, 16, 1, 192, 128, 16}};
+          {{30}, {1}, 16, 1, 192, 128, 16},
+          {{40, 0}, {1, 12}, 4, 2, 80, 48, 7}};          // the generic kernel
 }
 INSTANTIATE_TEST_SUITE_P(SanitizeAttn, Attention, ::testing::ValuesIn(attn_sanitize_cases()), attn_name);
 

@@ -210,6 +210,24 @@ std::vector<LoraCase> lora_cases() {
     c.T = 11, c.in = 96, c.outs = {200, 40, 8};
     v.push_back(c);
   }
+  // Inputs that are multiples of 8 but not of the shrink's 32-value run: the 8-value pieces past
+  // the end read nothing (a model of hidden 80, head dims 80 / 48, expert intermediate 144).
+  for (int T : {1, 7, 64, 300}) {
+    LoraCase c;
+    c.T = T, c.in = 80, c.outs = {320, 160, 96};
+    v.push_back(c);
+  }
+  {
+    LoraCase c;
+    c.T = 33, c.in = 144, c.outs = {80};
+    v.push_back(c);
+    c.T = 5, c.in = 8, c.outs = {16, 24}, c.ranks = "16";
+    v.push_back(c);
+    c.T = 256, c.in = 208, c.outs = {208}, c.ranks = "mixed", c.tokens = "single:2";  // cuBLAS path
+    v.push_back(c);
+    c.T = 9, c.in = 40, c.outs = {96}, c.tokens = "random", c.graph = true;
+    v.push_back(c);
+  }
   return v;
 }
 
@@ -226,6 +244,8 @@ std::vector<LoraCase> lora_sanitize_cases() {
   c.T = 6, c.tokens = "single:2", c.outs = {192}, c.in = 128;
   v.push_back(c);
   c.T = 5, c.tokens = "random", c.graph = true, c.in = 256;
+  v.push_back(c);
+  c.T = 7, c.graph = false, c.in = 80, c.outs = {320, 96};  // pieces past a 32-value run's end
   v.push_back(c);
   return v;
 }

@@ -456,6 +456,20 @@ std::vector<MoeCase> moe_cases() {
   { MoeCase c = with_lora(base(40, 128, 8, 2048, 768), 8, {16, 64}); c.wgmma = 1; c.split = 1; c.tile = 2; v.push_back(c); }
   { MoeCase c = with_lora(base(64, 128, 8, 256, 128), 8, {16}); c.graph = true; c.wgmma = 1; c.split = 1; c.tile = 1; v.push_back(c); }
   { MoeCase c = base(512, 8, 2, 256, 256); c.wgmma = 1; c.split = 1; c.tile = 3; v.push_back(c); }
+  // Shapes no tensor-core tile takes (H or I a multiple of 16, not of 64): the generic GEMMs
+  // (moe_gemm_generic.cu), chosen by the heuristic; partial FP8 blocks along both axes, bf16,
+  // every route, LoRA with mixed ranks, groups, prefill-sized batches, graph replay.
+  v.push_back(base(7, 8, 2, 80, 48));
+  { MoeCase c = base(7, 8, 2, 80, 48); c.fp8 = false; v.push_back(c); }
+  v.push_back(base(33, 8, 2, 208, 144));
+  { MoeCase c = base(19, 8, 2, 208, 144); c.route = kSentinel; v.push_back(c); }
+  { MoeCase c = base(24, 8, 2, 208, 144); c.route = kHalfEmpty; v.push_back(c); }
+  v.push_back(base(300, 8, 2, 208, 144));
+  v.push_back(base(5, 12, 4, 256, 96));  // the shapes of a Qwen3-MoE with moe_intermediate_size 96
+  { MoeCase c = base(11, 16, 4, 128, 96); c.grouped = true; c.n_group = 4; c.topk_group = 2; c.scaling = 1.5f; v.push_back(c); }
+  v.push_back(with_lora(base(24, 8, 2, 208, 144), 4, {1, 16, 128, 5}));
+  { MoeCase c = with_lora(base(16, 8, 2, 80, 96), 3, {16, 8}); c.fp8 = false; v.push_back(c); }
+  { MoeCase c = with_lora(base(16, 12, 4, 256, 96), 4, {16, 4}); c.graph = true; v.push_back(c); }
   // The fused LoRA kernel (shrink + expand in one launch) on the LoRA families above.
   std::vector<MoeCase> fused;
   for (const MoeCase& c : v)
@@ -490,6 +504,7 @@ std::vector<MoeCase> moe_sanitize_cases() {
   { MoeCase c = base(9, 8, 2, 128, 256); c.route = kSentinel; c.wgmma = 1; c.tile = 0; v.push_back(c); }
   { MoeCase c = with_lora(base(21, 8, 2, 256, 128), 3, {16}); c.wgmma = 1; c.split = 1; c.tile = 1; v.push_back(c); }
   { MoeCase c = base(9, 8, 2, 128, 256); c.route = kSentinel; c.wgmma = 1; c.act8 = 1; c.tile = 0; v.push_back(c); }
+  { MoeCase c = with_lora(base(7, 8, 2, 80, 48), 3, {1, 16}); v.push_back(c); }  // the generic GEMMs
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(MoeSanitize, MoeLayer, ::testing::ValuesIn(moe_sanitize_cases()), moe_test_name);

@@ -47,14 +47,9 @@ static_assert(cuda_plan::kMoeMaxLoraBuckets == cuda::kMoeMaxLoraBuckets,
               "shape_limits.h mirrors moe_align's LoRA bucket limit");
 
 Status CudaBackend::check_model_shapes(const ModelShapes& shapes) const {
-  MOELORA_RETURN_IF_ERROR(cuda_plan::check_shape_limits(shapes));
-  // The attention list is a copy of the kernels' own predicate: should they ever disagree, the
-  // kernels' answer wins (a refusal here, not an abort mid-forward). Absorbed MLA does not run them.
-  const bool absorbed_mla = shapes.kv_lora_rank > 0 && shapes.mla_absorbed;
-  if (!absorbed_mla && !cuda::attention_head_dims_supported(shapes.k_head_dim, shapes.v_head_dim))
-    return unsupported("the CUDA attention kernels do not support head dims (k {}, v {})", shapes.k_head_dim,
-                       shapes.v_head_dim);
-  return {};
+  // The attention kernels' choice (cuda_plan::choose_attention_kernel) is the one attention_plan and
+  // the launch checks follow, so this refusal and the kernels cannot disagree.
+  return cuda_plan::check_shape_limits(shapes);
 }
 
 int CudaBackend::max_lora_rank() const { return cuda_plan::kMaxLoraRank; }
@@ -115,6 +110,13 @@ size_t CudaBackend::upload_bytes(DType dtype, int64_t numel) const {
   // device_tensor: at least 16 bytes; cudaMalloc hands out 256-byte aligned blocks.
   const size_t bytes = std::max<size_t>(16, static_cast<size_t>(numel) * dtype_size(dtype));
   return (bytes + 255) / 256 * 256;
+}
+
+// Absorbed MLA's kv_b copies (mla_absorbed_weights), made in the first step.
+size_t CudaBackend::derived_weight_bytes(const ModelShapes& s) const {
+  if (s.kv_lora_rank <= 0 || !s.mla_absorbed) return 0;
+  return cuda_plan::mla_absorbed_weight_bytes(s.num_layers, s.heads, s.k_head_dim - s.rope_dim, s.v_head_dim,
+                                              s.kv_lora_rank);
 }
 
 size_t CudaBackend::linear_bytes(const StoredWeight& w) const {

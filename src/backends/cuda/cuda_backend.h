@@ -60,6 +60,7 @@ class CudaBackend final : public Backend {
   LinearWeight upload_linear(const StoredWeight& w) override;
   size_t upload_bytes(DType dtype, int64_t numel) const override;
   size_t linear_bytes(const StoredWeight& w) const override;
+  size_t derived_weight_bytes(const ModelShapes& shapes) const override;
   ExpertWeights upload_experts(const std::vector<StoredWeight>& gate, const std::vector<StoredWeight>& up,
                                const std::vector<StoredWeight>& down) override;
   Tensor random_tensor(DType dtype, const std::vector<int64_t>& shape, uint64_t seed, float scale) override;
@@ -181,8 +182,9 @@ class CudaBackend final : public Backend {
   // the weight's device address; `source` holds the weight so that the address is never reused
   // while the entry exists. Costs heads x (nope + v_dim) x kv_lora_rank x 2 bytes per layer on top
   // of the checkpoint's kv_b (DeepSeek-V3: 32 MiB per layer, 1.9 GiB over 61 layers at 128 heads,
-  // 244 MiB per GPU at tp 8), not counted by linear_bytes: it is made during the engine's warm-up
-  // step, before the KV cache is sized from the memory left.
+  // 244 MiB per GPU at tp 8), counted by the loader's fits-in-memory check through
+  // derived_weight_bytes; it is made during the engine's warm-up step, before the KV cache is sized
+  // from the memory left.
   struct MlaAbsorbedWeights {
     Tensor source;  // kv_b.w
     Tensor w_uk;    // bf16 [heads, nope, R]

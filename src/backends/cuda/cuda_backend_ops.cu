@@ -18,6 +18,7 @@
 #include "backends/cuda/kernels/mla_attention.cuh"
 #include "backends/cuda/kernels/moe_forward.cuh"
 #include "backends/cuda/kernels/router.cuh"
+#include "backends/cuda_plan/dense_choices.h"
 
 namespace moelora {
 
@@ -168,7 +169,7 @@ void CudaBackend::rope(Tensor x, int heads, int head_stride, int rot_offset, con
 
 void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, KvLayer& kv, int heads, float scale,
                             Tensor out) {
-  MOELORA_CHECK_MSG(cuda::attention_head_dims_supported(kv.k_head_dim, kv.v_head_dim),
+  MOELORA_CHECK_MSG(cuda_plan::attention_head_dims_supported(kv.k_head_dim, kv.v_head_dim),
                     "the CUDA attention kernels do not support head dims (k {}, v {})", kv.k_head_dim, kv.v_head_dim);
   const int T = static_cast<int>(q.rows());
   if (!attn_planned_) {  // same for every layer of the step

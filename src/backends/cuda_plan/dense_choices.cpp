@@ -41,6 +41,16 @@ constexpr int kSmemPerSm = 228 * 1024, kSmemPerBlockReserved = 1024;
 constexpr int kMaxDecodeBlocksPerSm = 4;  // registers: ~120-200 per thread x 128 threads
 }  // namespace
 
+AttentionKernel choose_attention_kernel(int k, int v) {
+  for (const HeadDims& d : kTensorCoreHeadDims)
+    if (d.k == k && d.v == v) return AttentionKernel::kTensorCore;
+  // attention_generic.cu: 16-byte loads of K rows (k % 8), one f32 accumulator per lane per 32 V
+  // columns (v <= 256), the query in 1 KiB of shared memory per warp (k <= 256).
+  if (k > 0 && k % 8 == 0 && k <= kGenericAttentionMaxDim && v > 0 && v <= kGenericAttentionMaxDim)
+    return AttentionKernel::kGeneric;
+  return AttentionKernel::kUnsupported;
+}
+
 AttentionDecodeSplit choose_attention_decode_split(int T, int kv_heads, int group, int max_positions, int num_sms,
                                                    int k_head_dim, int v_head_dim) {
   // Enough blocks to fill the GPU about twice, but no split under kAttentionMinSplitPositions.

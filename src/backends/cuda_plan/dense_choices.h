@@ -3,6 +3,8 @@
 // is chosen here; each threshold cites the measurement it comes from (bench/RESULTS.md).
 #pragma once
 
+#include <array>
+
 namespace moelora::cuda_plan {
 
 // ---- Dense projection y = x W^T (kernels/dense_gemm.cu).
@@ -22,6 +24,29 @@ struct DenseSmallMTiling {
 // `in` is the reduction length; row_groups / k_warps > 0 force those values (the workbench sweeps
 // them), 0 = the measured default.
 DenseSmallMTiling choose_dense_small_m_tiling(int M, int in, int row_groups = 0, int k_warps = 0);
+
+// ---- Which attention kernels run a model's heads (kernels/attention.cu dispatch).
+// The tensor-core kernels (prefill in attention.cu, decode in attention_decode.cu) are instantiated
+// for the (k, v) head-dim pairs below; any other pair with k a multiple of 8 and both at most
+// kGenericAttentionMaxDim runs the generic kernel (attention_generic.cu: one warp per (token, head)
+// on the CUDA cores, f32), which is correct for every shape but not fast: a model whose heads need it
+// says so at load (docs/gpu.md).
+struct HeadDims {
+  int k, v;
+};
+inline constexpr std::array<HeadDims, 6> kTensorCoreHeadDims = {
+    HeadDims{32, 32}, HeadDims{48, 32}, HeadDims{48, 48}, HeadDims{64, 64}, HeadDims{128, 128}, HeadDims{192, 128}};
+inline constexpr int kGenericAttentionMaxDim = 256;
+enum class AttentionKernel {
+  kTensorCore,   // attention.cu prefill + attention_decode.cu decode
+  kGeneric,      // attention_generic.cu, every token
+  kUnsupported,  // no kernel: check_shape_limits refuses the model
+};
+AttentionKernel choose_attention_kernel(int k_head_dim, int v_head_dim);
+// Some kernel runs these head dims.
+inline bool attention_head_dims_supported(int k_head_dim, int v_head_dim) {
+  return choose_attention_kernel(k_head_dim, v_head_dim) != AttentionKernel::kUnsupported;
+}
 
 // ---- Decode attention (kernels/attention_decode.cu): split over the KV positions, pipeline depth.
 // A token's positions are cut into splits of whole 64-position pieces, at least

@@ -45,4 +45,10 @@ MlaPlan choose_mla_plan(const MlaProblem& p) {
   return plan;
 }
 
+size_t mla_absorbed_weight_bytes(int layers, int heads, int nope, int v_dim, int latent) {
+  auto granules = [](size_t elems) { return aligned256(std::max<size_t>(16, elems * 2)); };
+  const size_t per_head = static_cast<size_t>(heads) * latent;
+  return static_cast<size_t>(layers) * (granules(per_head * nope) + granules(per_head * v_dim));
+}
+
 }  // namespace moelora::cuda_plan

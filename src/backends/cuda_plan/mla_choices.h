@@ -49,4 +49,9 @@ struct MlaPlan {
 // tokens >= 1, heads >= 1, latent >= 1, max_positions >= 1.
 MlaPlan choose_mla_plan(const MlaProblem& p);
 
+// Device bytes of the bf16 kv_b copies absorbed MLA makes for its kernels, over all `layers`:
+// W_UK [heads, nope, R] and W_UV^T [heads, R, v_dim] per layer, each its own cudaMalloc (256-byte
+// granules). CudaBackend::derived_weight_bytes reports it so the loader counts it.
+size_t mla_absorbed_weight_bytes(int layers, int heads, int nope, int v_dim, int latent);
+
 }  // namespace moelora::cuda_plan

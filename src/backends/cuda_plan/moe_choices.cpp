@@ -36,6 +36,10 @@ MoeGemmTile choose_moe_gemm_tile(int T, int k, int E, int H, int I) {
 }
 
 bool moe_wgmma_shape_ok(int H, int I) { return H > 0 && I > 0 && H % 128 == 0 && I % 128 == 0; }
+bool moe_mma_shape_ok(int H, int I) { return H > 0 && I > 0 && H % 64 == 0 && I % 64 == 0; }
+bool moe_shape_supported(int H, int I) {
+  return H > 0 && I > 0 && H % kMoeShapeMultiple == 0 && I % kMoeShapeMultiple == 0;
+}
 
 MoeTuning choose_moe_tuning(const MoeProblem& p) {
   MoeTuning t;
@@ -46,6 +50,13 @@ MoeTuning choose_moe_tuning(const MoeProblem& p) {
   // 137.9 vs 137.4 us; elsewhere the fused launch lost by up to 79 us at T = 256).
   t.lora_fused = false;
   t.pdl = true;
+  if (!moe_mma_shape_ok(p.H, p.I)) {
+    // No tensor-core tile fits: the generic kernels, in bf16 activations whatever the operator
+    // allowed (they have no W8A8 form). Any tile works for them; a larger one rereads each weight
+    // row from L1 for more rows.
+    t.generic = true;
+    return t;
+  }
   const double per_expert = static_cast<double>(p.T) * p.k / std::max(p.E, 1);
   // The Hopper grouped GEMM with e4m3 x e4m3 wgmmas from shared memory, FP8 experts. H200,
   // `dev_moe_bench split` (2026-12-04, base layer at Qwen3-30B-A3B shapes, us; bench/RESULTS.md):

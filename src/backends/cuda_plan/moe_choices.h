@@ -41,7 +41,18 @@ struct MoeTuning {
   // With wgmma and W8A16: the activations as two e4m3 terms (fp8_quant's split form) multiplied by
   // e4m3 x e4m3 wgmmas instead of dequantising the weights in registers (moe_gemm_wgmma.cu).
   bool act_split = false;
+  // The generic grouped GEMMs (moe_gemm_generic.cu: CUDA cores, W8A16 in f32) for shapes no
+  // tensor-core tile takes (!moe_mma_shape_ok); then wgmma, act_fp8 and act_split are off.
+  bool generic = false;
 };
+
+// Shapes the tensor-core grouped GEMMs (moe_gemm.cu) take: both GEMMs' K (H, I) in whole 64-wide
+// chunks. Others, with H and I multiples of 16, run the generic kernels.
+bool moe_mma_shape_ok(int H, int I);
+// Shapes some grouped GEMM takes (the generic kernels: H and I multiples of 16, which the LoRA
+// kernels' 16-byte rows and moe_reduce's 4-wide rows also need).
+inline constexpr int kMoeShapeMultiple = 16;
+bool moe_shape_supported(int H, int I);
 
 // Shapes the wgmma grouped GEMM takes: both GEMMs' K (H, I) in whole 128-wide scale blocks.
 bool moe_wgmma_shape_ok(int H, int I);

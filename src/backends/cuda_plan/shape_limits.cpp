@@ -8,12 +8,6 @@ namespace moelora::cuda_plan {
 
 namespace {
 
-std::string head_dims_list() {
-  std::vector<std::string> parts;
-  for (const HeadDims& d : kAttentionHeadDims) parts.push_back(fmt::format("({}, {})", d.k, d.v));
-  return fmt::format("{{{}}}", fmt::join(parts, ", "));
-}
-
 // moe_align.cu align_smem_bytes with LoRA grouping: 4 int arrays over the S*E+1 buckets plus 3
 // over the slots.
 size_t moe_align_lora_smem(int slots, int num_experts) {
@@ -27,11 +21,6 @@ bool moe_lora_slots_fit(int slots, int num_experts) {
 }
 
 }  // namespace
-
-bool attention_head_dims_supported(int k_head_dim, int v_head_dim) {
-  return std::any_of(kAttentionHeadDims.begin(), kAttentionHeadDims.end(),
-                     [&](const HeadDims& d) { return d.k == k_head_dim && d.v == v_head_dim; });
-}
 
 int moe_lora_max_slots(int num_experts) {
   if (num_experts < 1) return 0;
@@ -53,13 +42,13 @@ std::vector<std::string> shape_limit_violations(const ModelShapes& s) {
                               "supported)",
                               s.kv_lora_rank, s.rope_dim, s.kv_lora_rank + s.rope_dim, kMlaMaxLatentWidth));
   } else {
-    // Attention. kernels/attention.cu: dispatch instantiates one kernel pair per (k, v) head dims
-    // (check_params: attention_head_dims_supported; cuda_backend_ops.cu asserts it again before the
-    // launch), and maps query head h to kv head h / (heads / kv_heads) (check_params).
+    // Attention. kernels/attention.cu: the tensor-core kernels for the pairs they are built for,
+    // the generic kernel for the rest up to its limit (choose_attention_kernel, which
+    // attention_plan and check_params follow), query head h reading kv head h / (heads / kv_heads).
     if (!attention_head_dims_supported(s.k_head_dim, s.v_head_dim))
       v.push_back(fmt::format("attention: head dims k={}, v={} are not supported by the CUDA attention kernels "
-                              "(built for (k, v) in {})",
-                              s.k_head_dim, s.v_head_dim, head_dims_list()));
+                              "(k must be a multiple of 8, both at most {})",
+                              s.k_head_dim, s.v_head_dim, kGenericAttentionMaxDim));
     if (s.kv_heads < 1 || s.heads % s.kv_heads != 0)
       v.push_back(fmt::format("attention: {} query heads are not a whole multiple of {} kv heads (the kernels "
                               "share each kv head among heads / kv_heads query heads)",
@@ -73,16 +62,17 @@ std::vector<std::string> shape_limit_violations(const ModelShapes& s) {
                             s.rope_offset, s.k_head_dim));
 
   if (s.num_experts > 0) {
-    // kernels/moe_gemm.cu dispatch: both grouped GEMMs stream K (H for gate_up, I for down) in
-    // 64-wide chunks and tile the output rows in multiples of the same width.
-    if (s.hidden % kMoeKChunk != 0)
-      v.push_back(fmt::format("MoE experts: hidden_size {} is not a multiple of {} (the CUDA expert GEMMs stream "
-                              "{}-wide chunks of it)",
-                              s.hidden, kMoeKChunk, kMoeKChunk));
-    if (s.moe_intermediate % kMoeKChunk != 0)
+    // kernels/moe_gemm.cu (tensor cores: 64-wide K chunks) or moe_gemm_generic.cu (any multiple of
+    // 16; cuda_plan::choose_moe_tuning picks), moe_lora.cu's 16-byte rows and moe_reduce's 4-wide
+    // rows: moe_shape_supported.
+    if (s.hidden % kMoeShapeMultiple != 0)
+      v.push_back(fmt::format("MoE experts: hidden_size {} is not a multiple of {} (the CUDA expert GEMMs and MoE "
+                              "LoRA read rows in {}-value pieces)",
+                              s.hidden, kMoeShapeMultiple, kMoeShapeMultiple));
+    if (s.moe_intermediate % kMoeShapeMultiple != 0)
       v.push_back(fmt::format("MoE experts: the expert intermediate size {} is not a multiple of {} (the CUDA "
-                              "expert GEMMs stream {}-wide chunks of it)",
-                              s.moe_intermediate, kMoeKChunk, kMoeKChunk));
+                              "expert GEMMs and MoE LoRA read rows in {}-value pieces)",
+                              s.moe_intermediate, kMoeShapeMultiple, kMoeShapeMultiple));
     // kernels/router.cu router_topk: one warp routes a token, E / 32 experts per lane in
     // registers (E <= 1024), lane j keeps choice j (k <= 32), lane g scores group g (<= 32).
     if (s.num_experts > kRouterMaxExperts)
@@ -126,12 +116,12 @@ std::vector<std::string> shape_limit_violations(const ModelShapes& s) {
                             "in 3 bytes)",
                             s.vocab, kSamplingVocabLimit));
 
-  // kernels/lora_dense.cu lora_plan: the dense LoRA shrink reads the input in 32-wide runs. Every
-  // target gets pointer tables at start-up, so an adapter on it could reach the kernel.
+  // kernels/lora_dense.cu lora_plan: the dense LoRA shrink reads the input in 8-value (16-byte)
+  // pieces. Every target gets pointer tables at start-up, so an adapter on it could reach the kernel.
   for (const ModelShapes::LoraInput& in : s.lora_inputs)
     if (in.in % kLoraInMultiple != 0)
-      v.push_back(fmt::format("LoRA: {} has input width {}, not a multiple of {} (the CUDA LoRA shrink reads {}-wide "
-                              "runs)",
+      v.push_back(fmt::format("LoRA: {} has input width {}, not a multiple of {} (the CUDA LoRA shrink reads "
+                              "{}-value pieces)",
                               in.name, in.in, kLoraInMultiple, kLoraInMultiple));
 
   // kernels/lora_dense.cu lora_plan and CudaBackend::set_lora_slot (dense), moe_forward.cu /

@@ -12,29 +12,21 @@
 #include <string>
 #include <vector>
 
+#include "backends/cuda_plan/dense_choices.h"
 #include "backends/cuda_plan/mla_choices.h"
+#include "backends/cuda_plan/moe_choices.h"
 #include "core/status.h"
 #include "ops/model_shapes.h"
 
 namespace moelora::cuda_plan {
 
-// (k, v) head dims the attention kernels are instantiated for (kernels/attention.cu, dispatch
-// and attention_head_dims_supported).
-struct HeadDims {
-  int k, v;
-};
-inline constexpr std::array<HeadDims, 6> kAttentionHeadDims = {
-    HeadDims{32, 32}, HeadDims{48, 32}, HeadDims{48, 48}, HeadDims{64, 64}, HeadDims{128, 128}, HeadDims{192, 128}};
-bool attention_head_dims_supported(int k_head_dim, int v_head_dim);
-
 // The kernels' constants this check depends on (the CUDA backend static_asserts the ones its
 // headers expose).
-inline constexpr int kMoeKChunk = 64;            // moe_gemm.cu: H and I stream in 64-wide K chunks
 inline constexpr int kRouterMaxExperts = 1024;   // router.cu: register arrays for E <= 1024
 inline constexpr int kRouterMaxTopK = 32;        // router.cu: lane j of one warp holds choice j
 inline constexpr int kRouterMaxGroups = 32;      // router.cu: lane g holds group g's score
 inline constexpr int kFp8Block = 128;            // dense_gemm.cu kKBlock; moe_gemm.cu's scale rows
-inline constexpr int kLoraInMultiple = 32;       // lora_dense.cu: the shrink reads 32-wide runs
+inline constexpr int kLoraInMultiple = 8;        // lora_dense.cu: the shrink reads 8-value (16-byte) pieces
 inline constexpr int kMaxLoraRank = 128;         // lora_dense.cuh kLoraMaxRank, moe_lora.cuh kMoeLoraMaxRank
 inline constexpr int kMoeMaxLoraBuckets = 12288;  // moe_align.cuh: (slot, expert) groups + 1
 inline constexpr size_t kMoeAlignMaxSmem = 200 * 1024;  // moe_align.cu kAlignMaxSmem

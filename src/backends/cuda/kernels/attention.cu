@@ -310,6 +310,7 @@ void launch_dims(const KParams& k, const AttentionPlan& plan, cudaStream_t strea
 }
 
 void dispatch(const KParams& k, const AttentionPlan& plan, cudaStream_t stream) {
+  if (plan.generic) return launch_generic(k, stream);
   const int dk = k.a.k_head_dim, dv = k.a.v_head_dim;
   if (dk == 32 && dv == 32) return launch_dims<32, 32>(k, plan, stream);
   if (dk == 48 && dv == 32) return launch_dims<48, 32>(k, plan, stream);
@@ -320,13 +321,16 @@ void dispatch(const KParams& k, const AttentionPlan& plan, cudaStream_t stream) 
   MOELORA_CHECK_MSG(false, "attention: head dims k={} v={} not built", dk, dv);
 }
 
-void check_params(const AttentionParams& a) {
-  MOELORA_CHECK_MSG(attention_head_dims_supported(a.k_head_dim, a.v_head_dim), "attention: head dims k={} v={}",
-                    a.k_head_dim, a.v_head_dim);
+void check_params(const AttentionParams& a, const AttentionPlan& plan) {
+  const cuda_plan::AttentionKernel kernel = cuda_plan::choose_attention_kernel(a.k_head_dim, a.v_head_dim);
+  MOELORA_CHECK_MSG(kernel != cuda_plan::AttentionKernel::kUnsupported && plan.generic == (kernel == cuda_plan::AttentionKernel::kGeneric),
+                    "attention: head dims k={} v={} with a plan for the {} kernel", a.k_head_dim, a.v_head_dim,
+                    plan.generic ? "generic" : "tensor-core");
   MOELORA_CHECK(a.kv_heads > 0 && a.heads % a.kv_heads == 0 && a.page_size > 0);
   auto al = [](const void* ptr, int bytes) { return (reinterpret_cast<uintptr_t>(ptr) % bytes) == 0; };
-  // 8-byte runs of q and of the cache rows, 16-byte ones where the run allows (ld_q % 8 covers both).
-  MOELORA_CHECK_MSG(a.ld_q % 8 == 0 && al(a.q, 16) && al(a.k_cache, 16) && al(a.v_cache, 16),
+  // Tensor-core kernels: 8-byte runs of q and of the cache rows, 16-byte ones where the run allows
+  // (ld_q % 8 covers both). Generic: 16-byte K rows (k % 8 == 0 and an aligned cache).
+  MOELORA_CHECK_MSG((plan.generic || (a.ld_q % 8 == 0 && al(a.q, 16))) && al(a.k_cache, 16) && al(a.v_cache, 16),
                     "attention: q rows and the caches must be 16-byte aligned");
 }
 
@@ -344,14 +348,14 @@ void attention_prepare() {
   done = true;
 }
 
-bool attention_head_dims_supported(int k, int v) {
-  return (k == 32 && v == 32) || (k == 48 && v == 32) || (k == 48 && v == 48) || (k == 64 && v == 64) ||
-         (k == 128 && v == 128) || (k == 192 && v == 128);
-}
-
 AttentionPlan attention_plan(const int32_t* positions, const int32_t* token_seq, int T, int heads, int kv_heads,
                              int k_head_dim, int v_head_dim, const AttentionPlanOptions& opt) {
   AttentionPlan plan;
+  if (cuda_plan::choose_attention_kernel(k_head_dim, v_head_dim) == cuda_plan::AttentionKernel::kGeneric) {
+    plan.generic = true;  // one launch for every token: no splits, no metadata, no workspace
+    plan.decode = false;
+    return plan;
+  }
   int max_per_seq = 0, maxn = 0;
   for (int t = 0, run = 0; t < T; ++t) {
     run = (t > 0 && token_seq[t] == token_seq[t - 1]) ? run + 1 : 1;
@@ -394,7 +398,7 @@ void attention_upload_plan(const AttentionPlan& plan, void* dev_meta, size_t dev
 }
 
 size_t attention_workspace_bytes(const AttentionPlan& plan, int T, int heads, int v_head_dim) {
-  if (!plan.decode || plan.max_splits <= 1) return 0;
+  if (plan.generic || !plan.decode || plan.max_splits <= 1) return 0;
   return static_cast<size_t>(T) * heads * plan.max_splits * (v_head_dim + 2) * sizeof(float);
 }
 
@@ -409,10 +413,10 @@ void launch_kv_cache_write(const AttentionParams& a, cudaStream_t stream) {
 void launch_attention_no_cache_write(const AttentionParams& a, const AttentionPlan& plan, const void* dev_meta,
                                      void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (a.T == 0) return;
-  check_params(a);
+  check_params(a, plan);
   MOELORA_CHECK_MSG(workspace_bytes >= attention_workspace_bytes(plan, a.T, a.heads, a.v_head_dim),
                     "attention: workspace {} B too small", workspace_bytes);
-  MOELORA_CHECK(plan.decode || dev_meta != nullptr);
+  MOELORA_CHECK(plan.generic || plan.decode || dev_meta != nullptr);
   dispatch(make_params(a, plan, dev_meta, workspace), plan, stream);
 }
 

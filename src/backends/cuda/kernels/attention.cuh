@@ -5,15 +5,18 @@
 // Cache layout (KvLayer): k [num_pages, page_size, kv_heads * k_head_dim], v likewise with
 // v_head_dim (bf16). Page tables in CSR form: sequence s owns pages
 // page_indices[page_indptr[s] .. page_indptr[s+1]), position p lives in page (p / page_size), row
-// p % page_size. Head dims: (k, v) in {(32,32), (48,32), (48,48), (64,64), (128,128), (192,128)}.
+// p % page_size. Head dims: any k that is a multiple of 8 and any v, both up to 256
+// (cuda_plan::choose_attention_kernel).
 //
-// Two kernels, both on the tensor cores (bf16 MMA, f32 softmax in the exp2 domain):
+// For the head dims they are built for (cuda_plan::kTensorCoreHeadDims), two kernels on the tensor
+// cores (bf16 MMA, f32 softmax in the exp2 domain):
 // - decode (attention_decode.cu): one block per (token, kv head x 8 or 16 of its query heads, KV
 //   split); the block's 4 warps split the split's positions, K/V tiles staged in shared memory by
 //   cp.async and read once per group of query heads, which are the MMA's columns; splits are
 //   merged by a combine kernel (flash-decoding). Any token can go this way.
 // - prefill: one block per (<= 64 (token, head) rows of one sequence, kv head); each warp walks the
 //   positions its rows may see, with a per-row causal limit.
+// Other head dims: attention_generic.cu, one warp per (token, head) on the CUDA cores, every token.
 // attention_plan() picks the kernel and the split size on the host; launches allocate nothing.
 #pragma once
 
@@ -49,8 +52,6 @@ struct AttentionParams {
   const int32_t* page_indices = nullptr;  // device [page_indptr[num_seqs]]
 };
 
-bool attention_head_dims_supported(int k_head_dim, int v_head_dim);
-
 // Raises the decode kernels' dynamic shared-memory limits (function attributes, not stream
 // operations). Launches call it themselves; call it once at start-up so that no first launch
 // happens inside a stream capture.
@@ -69,6 +70,7 @@ struct AttentionPlanOptions {
 };
 
 struct AttentionPlan {
+  bool generic = false;  // attention_generic.cu for every token (head dims without a tensor-core instance)
   bool decode = true;
   int max_splits = 1;  // decode: splits of the longest sequence (each token's own: attention_token_split)
   int stages = 2;      // decode: K/V tiles per warp in shared memory

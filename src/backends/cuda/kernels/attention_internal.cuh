@@ -55,11 +55,13 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-// The decode kernel (attention_decode.cu), instantiated there for the head dims
-// attention_head_dims_supported() lists; decode_prepare raises its shared-memory limits.
+// The decode kernel (attention_decode.cu), instantiated there for cuda_plan::kTensorCoreHeadDims;
+// decode_prepare raises its shared-memory limits.
 template <int DK, int DV>
 void launch_decode(const KParams& k, cudaStream_t stream);
 template <int DK, int DV>
 void decode_prepare();
+// The generic kernel (attention_generic.cu): every token, any head dims choose_attention_kernel allows.
+void launch_generic(const KParams& k, cudaStream_t stream);
 
 }  // namespace moelora::cuda::attention_detail

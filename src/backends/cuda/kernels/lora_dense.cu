@@ -161,7 +161,10 @@ __global__ void __launch_bounds__(kThreads) lora_segmented_kernel(const __grid_c
         uint32_t row0[16], row1[16];
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          const uint4 u0 = ldg_u4_pred(a0p + 8 * q, va && kv), u1 = ldg_u4_pred(a1p + 8 * q, vb && kv);
+          // Each 8-value piece past the input's end reads nothing (zeros on both sides of the
+          // product): `in` is a multiple of 8, not necessarily of the 32-value run.
+          const bool kq = kc + 8 * q < P.in;
+          const uint4 u0 = ldg_u4_pred(a0p + 8 * q, va && kq), u1 = ldg_u4_pred(a1p + 8 * q, vb && kq);
           row0[4 * q] = u0.x, row0[4 * q + 1] = u0.y, row0[4 * q + 2] = u0.z, row0[4 * q + 3] = u0.w;
           row1[4 * q] = u1.x, row1[4 * q + 1] = u1.y, row1[4 * q + 2] = u1.z, row1[4 * q + 3] = u1.w;
         }
@@ -174,7 +177,7 @@ __global__ void __launch_bounds__(kThreads) lora_segmented_kernel(const __grid_c
           uint32_t xw[16];
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
-            const uint4 u = ldg_u4_pred(xr + 8 * q, tv);
+            const uint4 u = ldg_u4_pred(xr + 8 * q, tv && kc + 8 * q < P.in);
             xw[4 * q] = u.x, xw[4 * q + 1] = u.y, xw[4 * q + 2] = u.z, xw[4 * q + 3] = u.w;
           }
 #pragma unroll
@@ -320,7 +323,7 @@ LoraPlan lora_plan(const int32_t* token_slot, int T, const LoraProblem* problems
   for (int i = 0; i < num_problems; ++i) {
     const LoraProblem& pr = problems[i];
     MOELORA_CHECK_MSG(pr.num_slots == num_slots && pr.host_rank != nullptr, "LoRA problems disagree on slots");
-    MOELORA_CHECK_MSG(pr.in % 32 == 0 && pr.in > 0 && pr.out > 0, "LoRA: in {} must be a multiple of 32", pr.in);
+    MOELORA_CHECK_MSG(pr.in % 8 == 0 && pr.in > 0 && pr.out > 0, "LoRA: in {} must be a multiple of 8", pr.in);
     for (int s = 0; s < num_slots; ++s)
       MOELORA_CHECK_MSG(pr.host_rank[s] >= 0 && pr.host_rank[s] <= kLoraMaxRank, "LoRA rank {} above {}",
                         pr.host_rank[s], kLoraMaxRank);
@@ -389,6 +392,9 @@ void launch_lora_segmented(const LoraProblem* problems, int num_problems, int cl
   KernelParams kp{};
   for (int i = 0; i < num_problems; ++i) {
     const LoraProblem& s = problems[i];
+    // The shrink reads x in 16-byte pieces (plans are reused across calls: checked per launch).
+    MOELORA_CHECK_MSG(s.ld_x % 8 == 0 && reinterpret_cast<uintptr_t>(s.x) % 16 == 0,
+                      "LoRA: x rows must be 16-byte aligned (ld {})", s.ld_x);
     kp.prob[i] = ProblemDev{s.x, s.ld_x, s.y, s.ld_y, s.in, s.out, s.a_ptrs, s.b_ptrs, s.ranks};
   }
   kp.meta = static_cast<const int32_t*>(dev_meta);

@@ -36,7 +36,7 @@ struct LoraProblem {
   int64_t ld_x = 0;
   __nv_bfloat16* y = nullptr;  // [T, out], row stride ld_y (the base output; LoRA adds into it)
   int64_t ld_y = 0;
-  int in = 0;  // multiple of 32
+  int in = 0;  // multiple of 8 (16-byte pieces of x and A rows)
   int out = 0;
   int num_slots = 0;
   const int64_t* a_ptrs = nullptr;  // device [num_slots]: A_s element pointers

@@ -263,6 +263,7 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   g.counters = ws.counters;
   g.max_tiles = moe_max_tiles(P, s.E, moe_gemm_tile_rows(tile));
   g.act_fp8 = act_fp8 || split;
+  g.generic = tune.generic;
   g.wgmma = tune.wgmma;  // moe_gate_up_wgmma refuses problems it does not take (FP8 weights, shape)
   g.xq = ws.xq;
   g.xq_lo = split ? ws.xq_lo : nullptr;

@@ -510,13 +510,17 @@ __global__ void __launch_bounds__(kReduceThreads) moe_reduce_kernel(const __grid
 }  // namespace
 
 void moe_gate_up(const MoeGemmParams& p, cudaStream_t stream) {
-  if (p.wgmma)
+  if (p.generic)
+    moe_gate_up_generic(p, stream);
+  else if (p.wgmma)
     moe_gate_up_wgmma(p, stream);
   else
     dispatch<true>(p, stream);
 }
 void moe_down(const MoeGemmParams& p, cudaStream_t stream) {
-  if (p.wgmma)
+  if (p.generic)
+    moe_down_generic(p, stream);
+  else if (p.wgmma)
     moe_down_wgmma(p, stream);
   else
     dispatch<false>(p, stream);

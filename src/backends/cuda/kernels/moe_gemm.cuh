@@ -17,7 +17,10 @@
 //           scale [E * 2*ceil(I/128), ceil(H/128)]: per expert ceil(I/128) gate row blocks, then
 //           ceil(I/128) up row blocks (split_rows applied per expert).
 //   down    w [E * H, I], scale [E * ceil(H/128), ceil(I/128)].
-// Requirements: H % 64 == 0, I % 64 == 0 (K chunks of 64; the kernels assert).
+// Requirements of the tensor-core kernels: H % 64 == 0, I % 64 == 0 (K chunks of 64; the kernels
+// assert). Other shapes (H, I multiples of 16) take the generic kernels (moe_gemm_generic.cu,
+// MoeGemmParams::generic: one warp per (tile, output feature) on the CUDA cores, W8A16 numerics in
+// f32, same tiles and epilogues).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -72,6 +75,9 @@ struct MoeGemmParams {
   // mma.sync kernels; cuda_plan::choose_moe_tuning decides. FP8 weights, bf16 activations, H and I
   // multiples of 128 (cuda_plan::moe_wgmma_shape_ok).
   bool wgmma = false;
+  // The generic kernels (moe_gemm_generic.cu) instead of either tensor-core path: shapes no tile of
+  // theirs fits (cuda_plan::choose_moe_tuning). bf16 activations only.
+  bool generic = false;
   // Down only: the launch directly follows moe_gate_up, both with PDL, and moe_align precedes
   // gate_up: the kernel may then read the tiles and prefetch its first weights before waiting.
   bool early_prefetch = false;
@@ -83,6 +89,9 @@ void moe_down(const MoeGemmParams& p, cudaStream_t stream);
 void moe_gate_up_wgmma(const MoeGemmParams& p, cudaStream_t stream);
 void moe_down_wgmma(const MoeGemmParams& p, cudaStream_t stream);
 void moe_gemm_wgmma_init();
+// The generic kernels on their own (moe_gate_up / moe_down call them when p.generic).
+void moe_gate_up_generic(const MoeGemmParams& p, cudaStream_t stream);
+void moe_down_generic(const MoeGemmParams& p, cudaStream_t stream);
 
 struct MoeReduceParams {
   const float* y = nullptr;           // [P, H]
