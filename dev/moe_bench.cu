@@ -108,7 +108,7 @@ struct Bench {
   }
 
   // adapters: 0 = base, 1 = every token on slot 0, 8 = token t on slot t % 8.
-  void launch(cudaStream_t s, int c, int T, const Version& v, int adapters, int stop = 0) {
+  void launch(cudaStream_t s, int c, int T, const Version& v, int adapters, MoeStage last = MoeStage::kAll) {
     Copy& cp = copies[c];
     MoeForwardArgs a;
     a.T = T;
@@ -129,7 +129,6 @@ struct Bench {
     a.token_slot = adapters == 1 ? cp.slot1.get() : adapters == 8 ? cp.slot8.get() : nullptr;
     a.out = reinterpret_cast<bf16*>(cp.out.get());
     a.ldo = kH;
-    a.stop_after = stop;
     a.tuning = moe_tuning(a);  // the product's choices, with what the version forces
     a.tuning->pdl = v.pdl;
     a.tuning->fuse_route = a.tuning->fuse_route && v.fuse;
@@ -140,7 +139,7 @@ struct Bench {
     else if (a.tuning->act_fp8) a.tuning->wgmma = false;  // a forced W8A8 version on the mma.sync kernels
     if (v.split >= 0) a.tuning->act_split = v.split == 1;
     MoeStreams st{s, v.one_stream ? nullptr : side, ev[0], ev[1], ev[2], ev[3]};
-    moe_forward(a, ws, st);
+    moe_forward_prefix(a, ws, st, last);
   }
 
   std::vector<float> out_of(int c, int T) { return from_bf16(copies[c].out.download(static_cast<size_t>(T) * kH)); }
@@ -536,7 +535,7 @@ int main(int argc, char** argv) {
   for (int T : {1, 8, 64, 256}) {
     double t[4];
     for (int s = 1; s <= 4; ++s)
-      t[s - 1] = time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, kV2, 0, s == 4 ? 0 : s); },
+      t[s - 1] = time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, kV2, 0, static_cast<MoeStage>(s)); },
                                     ncopies, 30);
     std::printf("%4d | %6.1f | %6.1f | %6.1f | %6.1f\n", T, t[0], t[1], t[2], t[3]);
   }

@@ -103,7 +103,13 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& w, const LoraModul
   else a.y = act(out);
   a.ld_y = out.ld();
   cuda::DenseScratch scratch;
-  if (a.w.type == cuda::WeightType::kFP8E4M3 && M > cuda::kDenseSmallMMax) {
+  // Scratch for the activation quantisation whenever the heuristic sends FP8 to cuBLASLt (it used
+  // to be carved only above the small-M kernel's design limit, 64 tokens, so from 33 to 64 tokens
+  // dense_linear found none and fell back to the small-M kernel, which measured 1.2-1.8x slower
+  // there: bench/RESULTS.md, dense projection table, M = 64).
+  const bool fp8_lt = a.w.type == cuda::WeightType::kFP8E4M3 &&
+                      cuda_plan::choose_dense_path(M, true) == cuda_plan::DensePath::kCublasLt;
+  if (fp8_lt) {
     scratch.bytes = cuda::dense_fp8_scratch_bytes(M, w.in);
     scratch.ptr = arena_alloc(scratch.bytes);
   }

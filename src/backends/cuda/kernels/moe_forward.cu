@@ -129,6 +129,10 @@ cuda_plan::MoeTuning moe_tuning(const MoeForwardArgs& a) {
 }
 
 void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStreams& st) {
+  moe_forward_prefix(a, ws, st, MoeStage::kAll);
+}
+
+void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStreams& st, MoeStage last) {
   const MoeShape& s = a.shape;
   MOELORA_CHECK(a.T >= 0 && a.T <= s.max_tokens && a.x && a.ids && a.weights && a.out);
   if (a.T == 0) return;
@@ -136,7 +140,7 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   MOELORA_CHECK(!lora || (ws.l_tiles && ws.ldu >= a.lora->max_rank));
   MOELORA_CHECK(!lora || !st.side || (st.ev_ids && st.ev_gu && st.ev_act && st.ev_d));
   const bool two_streams = lora && st.side;
-  MOELORA_CHECK(a.stop_after == 0 || !lora);
+  MOELORA_CHECK_MSG(last == MoeStage::kAll || !lora, "MoE stage prefixes are timed without LoRA");
   cudaStream_t M = st.main, S = two_streams ? st.side : st.main;
   const int P = a.T * s.k;
 
@@ -193,7 +197,7 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   }
   al.pdl = pdl && a.logits && !fuse;  // PDL only behind our own router kernel (else: first of the layer)
   moe_align(al, M);
-  if (a.stop_after == 1) return;
+  if (last == MoeStage::kRouteAlign) return;
 
   // ---- gate_up LoRA delta (side stream).
   if (lora) {
@@ -274,7 +278,7 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   g.act = ws.act;
   g.pdl = pdl && !two_streams;  // an event wait precedes it with two streams
   moe_gate_up(g, M);
-  if (a.stop_after == 2) return;
+  if (last == MoeStage::kGateUp) return;
 
   // ---- down LoRA delta (side stream, concurrent with the base down GEMM).
   if (lora) {
@@ -340,7 +344,7 @@ void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStrea
   d.pdl = pdl;
   d.early_prefetch = pdl;
   moe_down(d, M);
-  if (a.stop_after == 3) return;
+  if (last == MoeStage::kDown) return;
   if (two_streams) MOELORA_CUDA_CHECK(cudaStreamWaitEvent(M, st.ev_d, 0));
 
   MoeReduceParams r;

@@ -109,7 +109,6 @@ struct MoeForwardArgs {
   // workbench force variants here).
   std::optional<cuda_plan::MoeTuning> tuning;
   bool allow_fp8_activations = false;  // the heuristic may pick W8A8 (cuda_plan::MoeProblem)
-  int stop_after = 0;  // workbench, base only: 1 = after routing+align, 2 = after gate_up, 3 = after down
 };
 // The choices moe_forward makes for `a` (its tuning, or the host heuristic's).
 cuda_plan::MoeTuning moe_tuning(const MoeForwardArgs& a);
@@ -121,5 +120,9 @@ struct MoeStreams {
 };
 
 void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStreams& st);
+// The base layer's launches up to and including `last`, for the workbench's stage timings
+// (dev/moe_bench.cu times the prefixes); without LoRA only. moe_forward runs every stage.
+enum class MoeStage { kRouteAlign = 1, kGateUp = 2, kDown = 3, kAll = 4 };
+void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStreams& st, MoeStage last);
 
 }  // namespace moelora::cuda
