@@ -47,12 +47,24 @@ class Body {
   Tensor attention_gqa(const AttentionWeights& w, const Tensor& x, KvLayer& kv) {
     const int T = static_cast<int>(x.rows()), d = c_.head_dim;
     const int heads = par_.num_heads(), kv_heads = par_.num_kv_heads();
-    Tensor q = b_.alloc_act(T, heads * d);
-    Tensor k = b_.alloc_act(T, kv_heads * d);
-    Tensor v = b_.alloc_act(T, kv_heads * d);
-    b_.linear(x, w.q, tab(LoraTarget::kQ), q);
-    b_.linear(x, w.k, tab(LoraTarget::kK), k);
-    b_.linear(x, w.v, tab(LoraTarget::kV), v);
+    const int qn = heads * d, kn = kv_heads * d;
+    Tensor q, k, v;
+    if (w.qkv.defined()) {  // one GEMM; q, k, v are column slices of its output
+      Tensor qkv = b_.alloc_act(T, qn + 2 * kn);
+      b_.linear_parts(x, w.qkv,
+                      {{0, qn, tab(LoraTarget::kQ)}, {qn, kn, tab(LoraTarget::kK)}, {qn + kn, kn, tab(LoraTarget::kV)}},
+                      qkv);
+      q = qkv.slice_cols(0, qn);
+      k = qkv.slice_cols(qn, kn);
+      v = qkv.slice_cols(qn + kn, kn);
+    } else {
+      q = b_.alloc_act(T, qn);
+      k = b_.alloc_act(T, kn);
+      v = b_.alloc_act(T, kn);
+      b_.linear(x, w.q, tab(LoraTarget::kQ), q);
+      b_.linear(x, w.k, tab(LoraTarget::kK), k);
+      b_.linear(x, w.v, tab(LoraTarget::kV), v);
+    }
     if (w.q_norm.defined()) {
       const float eps = static_cast<float>(c_.rms_norm_eps);
       b_.rmsnorm(q, w.q_norm, eps, q);
@@ -75,17 +87,31 @@ class Body {
     const int T = static_cast<int>(x.rows()), heads = par_.num_heads();
     const int nope = c_.qk_nope_head_dim, rope = c_.qk_rope_head_dim, qk = nope + rope;
     const float eps = static_cast<float>(c_.rms_norm_eps);
+    const int ckv_width = c_.kv_lora_rank + rope;
     Tensor q = b_.alloc_act(T, heads * qk);
+    Tensor ckv;
     if (c_.q_lora_rank > 0) {
-      Tensor qa = b_.alloc_act(T, c_.q_lora_rank);
-      b_.linear(x, w.q_a, tab(LoraTarget::kQA), qa);
+      Tensor qa;
+      if (w.q_a_kv_a.defined()) {  // one GEMM; q_a's and kv_a's outputs are column slices of it
+        Tensor both = b_.alloc_act(T, c_.q_lora_rank + ckv_width);
+        b_.linear_parts(x, w.q_a_kv_a,
+                        {{0, c_.q_lora_rank, tab(LoraTarget::kQA)}, {c_.q_lora_rank, ckv_width, tab(LoraTarget::kKVA)}},
+                        both);
+        qa = both.slice_cols(0, c_.q_lora_rank);
+        ckv = both.slice_cols(c_.q_lora_rank, ckv_width);
+      } else {
+        qa = b_.alloc_act(T, c_.q_lora_rank);
+        b_.linear(x, w.q_a, tab(LoraTarget::kQA), qa);
+      }
       b_.rmsnorm(qa, w.q_a_norm, eps, qa);
       b_.linear(qa, w.q_b, tab(LoraTarget::kQB), q);
     } else {
       b_.linear(x, w.q, tab(LoraTarget::kQ), q);
     }
-    Tensor ckv = b_.alloc_act(T, c_.kv_lora_rank + rope);
-    b_.linear(x, w.kv_a, tab(LoraTarget::kKVA), ckv);
+    if (!ckv.defined()) {
+      ckv = b_.alloc_act(T, ckv_width);
+      b_.linear(x, w.kv_a, tab(LoraTarget::kKVA), ckv);
+    }
     Tensor latent = b_.alloc_act(T, c_.kv_lora_rank);
     b_.rmsnorm(ckv.slice_cols(0, c_.kv_lora_rank), w.kv_a_norm, eps, latent);
     Tensor k_pe = ckv.slice_cols(c_.kv_lora_rank, rope);
@@ -116,9 +142,18 @@ class Body {
   // silu(x gate^T) * (x up^T): gate and up are column-parallel, so this needs no collective.
   Tensor gated(const MlpWeights& w, const Tensor& x, LoraTarget gate, LoraTarget up) {
     const int T = static_cast<int>(x.rows()), inter = w.gate.out;
-    Tensor g = b_.alloc_act(T, inter), u = b_.alloc_act(T, inter);
-    b_.linear(x, w.gate, tab(gate), g);
-    b_.linear(x, w.up, tab(up), u);
+    Tensor g, u;
+    if (w.gate_up.defined()) {  // one GEMM; gate and up are column slices of its output
+      Tensor gu = b_.alloc_act(T, 2 * inter);
+      b_.linear_parts(x, w.gate_up, {{0, inter, tab(gate)}, {inter, inter, tab(up)}}, gu);
+      g = gu.slice_cols(0, inter);
+      u = gu.slice_cols(inter, inter);
+    } else {
+      g = b_.alloc_act(T, inter);
+      u = b_.alloc_act(T, inter);
+      b_.linear(x, w.gate, tab(gate), g);
+      b_.linear(x, w.up, tab(up), u);
+    }
     b_.silu_mul(g, u, g);
     return g;
   }

@@ -6,6 +6,7 @@
 #include "io/checkpoint.h"
 #include "model/archs.h"
 #include "model/forward_pass.h"
+#include "model/fused_projections.h"
 #include "model/weight_loader.h"
 
 namespace moelora {
@@ -148,8 +149,15 @@ Result<std::unique_ptr<Model>> Model::load(const std::string& dir, Backend& back
   MOELORA_RETURN_IF_ERROR(backend.check_model_shapes(m->shapes()).with_context(dir + ": "));
   MOELORA_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::open(dir));
   MOELORA_ASSIGN_OR_RETURN(m->weights_, load_model_weights(ck, cfg, backend, backend.derived_weight_bytes(m->shapes())));
+  m->fuse_projections();
   m->rope_ = make_rope_table(cfg);
   return m;
+}
+
+// Host-memory backends keep the separate projections too: the sharded forward (src/parallel) cuts
+// them per rank. A device gives their memory back.
+void Model::fuse_projections() {
+  moelora::fuse_projections(weights_, backend_, /*keep_parts=*/backend_.device() == Device::kCpu);
 }
 
 std::vector<KvLayer> Model::alloc_kv_cache(int num_pages, int page_size) const {

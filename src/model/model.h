@@ -85,6 +85,8 @@ class Model {
   Model(ModelConfig cfg, std::string dir, Backend& backend) : cfg_(std::move(cfg)), dir_(std::move(dir)), backend_(backend) {}
   // Decides the MLA form for `opts` on this backend (before any weight is read).
   Status choose_mla_form(const ModelOptions& opts);
+  // q|k|v and gate|up in one weight each where the backend fuses them (model/fused_projections.h).
+  void fuse_projections();
 
   ModelConfig cfg_;
   std::string dir_;

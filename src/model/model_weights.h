@@ -23,13 +23,16 @@ const char* lora_target_name(LoraTarget t);
 
 struct AttentionWeights {
   LinearWeight q, k, v, o;
+  LinearWeight qkv;             // q|k|v rows fused (fuse_projections); undefined = separate
   Tensor q_norm, k_norm;        // Qwen3 per-head RMSNorm
   LinearWeight q_a, q_b, kv_a, kv_b;  // MLA
+  LinearWeight q_a_kv_a;              // MLA: q_a|kv_a rows fused (both read the layer's input)
   Tensor q_a_norm, kv_a_norm;
 };
 
 struct MlpWeights {
   LinearWeight gate, up, down;
+  LinearWeight gate_up;  // gate|up rows fused (fuse_projections); undefined = separate
 };
 
 struct LayerWeights {

@@ -95,6 +95,7 @@ Result<std::unique_ptr<Model>> Model::random(const ModelConfig& cfg, Backend& b,
     }
   }
   m->rope_ = make_rope_table(cfg);
+  m->fuse_projections();
   return m;
 }
 

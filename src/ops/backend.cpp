@@ -4,6 +4,30 @@
 
 namespace moelora {
 
+int fused_split_rows(const std::vector<const LinearWeight*>& parts, bool block_scaled) {
+  if (parts.size() < 2) return -1;
+  const LinearWeight& first = *parts[0];
+  int row = 0, split = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const LinearWeight& p = *parts[i];
+    if (!p.defined() || p.in != first.in || p.split_rows > 0) return -1;
+    if (block_scaled && (p.block_out != first.block_out || p.block_in != first.block_in)) return -1;
+    row += p.out;
+    const bool last_boundary = i + 2 == parts.size();
+    if (i + 1 < parts.size() && block_scaled && row % first.block_out != 0) {
+      if (!last_boundary) return -1;  // a scale block would hold rows of two parts
+      split = row;
+    }
+  }
+  return split;
+}
+
+void Backend::linear_parts(const Tensor&, const LinearWeight&, const std::vector<LinearPart>&, Tensor) {
+  MOELORA_CHECK_MSG(false, "the {} backend fuses no projections: linear_parts without fuse_linear_rows", name());
+}
+
+LinearWeight Backend::fuse_linear_rows(const std::vector<const LinearWeight*>&) { return {}; }
+
 namespace {
 
 // Factors are copied on the placement worker with Backend::upload; the table entries (host memory,

@@ -116,6 +116,20 @@ class Backend {
   // out = x W^T + per-token LoRA:  out[t] += B_s (A_s x[t])  for s = token_slot[t] >= 0 with a
   // non-zero rank in `lora` (nullptr = no LoRA on this projection). out may be a column slice.
   virtual void linear(const Tensor& x, const LinearWeight& w, const LoraModuleTable* lora, Tensor out) = 0;
+  // Several projections of the same input in one GEMM, their weights fused row-wise at load
+  // (fuse_linear_rows): out = x W^T, then part i's LoRA delta on its own columns
+  // [begin, begin + out) of out, exactly as linear() on that part into that column slice.
+  struct LinearPart {
+    int begin = 0;
+    int out = 0;
+    const LoraModuleTable* lora = nullptr;
+  };
+  virtual void linear_parts(const Tensor& x, const LinearWeight& w, const std::vector<LinearPart>& parts, Tensor out);
+  // The row-wise concatenation of `parts` (same input width and format; none already split) as one
+  // weight that linear_parts reads, or an undefined weight when this backend does not fuse them
+  // (the default) or their format forbids it (FP8: only the last boundary between parts may fall
+  // inside a 128-row scale block; it becomes the fused weight's split_rows).
+  virtual LinearWeight fuse_linear_rows(const std::vector<const LinearWeight*>& parts);
   // In place on x [T, heads * head_stride]: rotates dims [rot_offset, rot_offset + rope.rot_dim)
   // of every head by position-dependent angles pos * inv_freq[i], cos/sin scaled by
   // rope.attention_factor. Neox pairing (i, i + rot_dim/2) or, if interleaved, (2i, 2i + 1).

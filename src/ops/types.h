@@ -33,6 +33,12 @@ struct LinearWeight {
   bool defined() const { return w.defined(); }
 };
 
+// Projections fused row-wise (Backend::fuse_linear_rows): the split_rows their concatenation needs
+// so that every row keeps its own FP8 scale row (`block_scaled`), or -1 when it cannot: every
+// boundary between parts but the last must fall on a block_out boundary (the last one becomes
+// split_rows; 0 when it is aligned too), and no part may be split already. Dense weights: always 0.
+int fused_split_rows(const std::vector<const LinearWeight*>& parts, bool block_scaled);
+
 // Routed experts of one MoE layer, packed expert-major.
 struct ExpertWeights {
   int num_experts = 0;

@@ -8,6 +8,7 @@
 #include "backends/cpu/cpu_backend.h"
 #include "lora/slot_pool.h"
 #include "model/forward_pass.h"
+#include "model/fused_projections.h"
 #include "parallel/fake_communicator.h"
 #include "parallel/sharded_context.h"
 
@@ -61,6 +62,7 @@ Result<std::unique_ptr<ShardedModel>> ShardedModel::create(const Model& model, i
     rank->rope = &sm->rope_;
     rank->mla_absorbed = model.mla_absorbed();
     rank->weights = shard_model_weights(cfg, model.weights(), rank->layout);
+    fuse_projections(rank->weights, rank->backend, /*keep_parts=*/true);
     rank->pool = std::make_unique<LoraSlotPool>(rank->layout.local, rank->backend, num_slots);
     rank->world = sm->groups_->world->communicator(r);
     rank->tp = sm->groups_->tp[rank->layout.plan.ep_rank()]->communicator(rank->layout.plan.tp_rank());

@@ -271,6 +271,12 @@ ModelWeights shard_model_weights(const ModelConfig& cfg, const ModelWeights& ful
   out.layers = full.layers;  // norms, routers and replicated projections stay shared
   for (int layer = 0; layer < cfg.num_layers; ++layer) {
     LayerWeights& lw = out.layers[layer];
+    // Fused projections hold every head's rows: each rank fuses its own cut parts again
+    // (ShardedModel::create, fuse_projections).
+    lw.attn.qkv = LinearWeight();
+    lw.attn.q_a_kv_a = LinearWeight();
+    lw.mlp.gate_up = LinearWeight();
+    lw.shared.gate_up = LinearWeight();
     for (int t = 0; t < kNumLoraTargets; ++t) {
       const auto target = static_cast<LoraTarget>(t);
       if (LinearWeight* w = projection_of(lw, target)) *w = cut_linear(*w, projection_cut(cfg, l, target));

@@ -47,6 +47,12 @@ class ForwardingCpuBackend : public Backend {
   void linear(const Tensor& x, const LinearWeight& w, const LoraModuleTable* l, Tensor out) override {
     cpu_.linear(x, w, l, out);
   }
+  void linear_parts(const Tensor& x, const LinearWeight& w, const std::vector<LinearPart>& parts, Tensor out) override {
+    cpu_.linear_parts(x, w, parts, out);
+  }
+  LinearWeight fuse_linear_rows(const std::vector<const LinearWeight*>& parts) override {
+    return cpu_.fuse_linear_rows(parts);
+  }
   void rope(Tensor x, int heads, int stride, int off, const RopeTable& r) override { cpu_.rope(x, heads, stride, off, r); }
   void attention(const Tensor& q, const Tensor& k, const Tensor& v, KvLayer& kv, int heads, float scale,
                  Tensor out) override {

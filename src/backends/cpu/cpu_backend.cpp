@@ -181,6 +181,43 @@ void CpuBackend::linear(const Tensor& x, const LinearWeight& w, const LoraModule
   round_act(out);
 }
 
+void CpuBackend::linear_parts(const Tensor& x, const LinearWeight& w, const std::vector<LinearPart>& parts,
+                              Tensor out) {
+  MOELORA_CHECK_MSG(x.cols() == w.in && out.cols() == w.out && x.rows() == out.rows(),
+                    "linear_parts: x {} W [{}, {}] out {}", x.shape_string(), w.out, w.in, out.shape_string());
+  cpu::linear(x.ptr<float>(), x.ld(), x.rows(), w.w.ptr<float>(), w.out, w.in, out.ptr<float>(), out.ld());
+  for (const LinearPart& p : parts) {
+    MOELORA_CHECK_MSG(p.begin >= 0 && p.out > 0 && p.begin + p.out <= w.out, "linear_parts: part [{}, +{}) of {}",
+                      p.begin, p.out, w.out);
+    if (p.lora == nullptr) continue;
+    MOELORA_CHECK(x.rows() == batch_.num_tokens() && p.lora->out == p.out && p.lora->in == w.in);
+    Tensor y = out.slice_cols(p.begin, p.out);
+    cpu::lora_add(x.ptr<float>(), x.ld(), x.rows(), batch_.token_slot.data(), *p.lora, y.ptr<float>(), y.ld());
+  }
+  round_act(out);
+}
+
+// Weights here are float32 [out, in] (upload_linear dequantises every format): rows concatenate.
+LinearWeight CpuBackend::fuse_linear_rows(const std::vector<const LinearWeight*>& parts) {
+  if (fused_split_rows(parts, /*block_scaled=*/false) < 0) return {};
+  int64_t rows = 0;
+  for (const LinearWeight* p : parts) {
+    if (p->w.dtype() != DType::kF32 || !p->w.contiguous() || p->scale_inv.defined()) return {};
+    rows += p->out;
+  }
+  LinearWeight f = *parts[0];
+  f.out = static_cast<int>(rows);
+  f.split_rows = 0;
+  f.w = Tensor::empty_host(DType::kF32, {rows, f.in});
+  float* dst = f.w.ptr<float>();
+  for (const LinearWeight* p : parts) {
+    const size_t n = static_cast<size_t>(p->out) * p->in;
+    std::memcpy(dst, p->w.ptr<float>(), n * sizeof(float));
+    dst += n;
+  }
+  return f;
+}
+
 void CpuBackend::rope(Tensor x, int heads, int head_stride, int rot_offset, const RopeTable& rope) {
   cpu::rope(x.ptr<float>(), x.ld(), x.rows(), batch_.positions.data(), heads, head_stride, rot_offset, rope);
   round_act(x);

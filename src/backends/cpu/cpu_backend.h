@@ -44,6 +44,8 @@ class CpuBackend final : public Backend {
   void embed(const Tensor& table, Tensor out) override;
   void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor out) override;
   void linear(const Tensor& x, const LinearWeight& w, const LoraModuleTable* lora, Tensor out) override;
+  void linear_parts(const Tensor& x, const LinearWeight& w, const std::vector<LinearPart>& parts, Tensor out) override;
+  LinearWeight fuse_linear_rows(const std::vector<const LinearWeight*>& parts) override;
   void rope(Tensor x, int heads, int head_stride, int rot_offset, const RopeTable& rope) override;
   void attention(const Tensor& q, const Tensor& k, const Tensor& v, KvLayer& kv, int heads, float scale,
                  Tensor out) override;

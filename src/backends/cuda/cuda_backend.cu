@@ -141,6 +141,44 @@ LinearWeight CudaBackend::upload_linear(const StoredWeight& sw) {
   return lw;
 }
 
+// Device copies of the parts' rows (and FP8 scale rows) one after the other. FP8 parts concatenate
+// only where fused_split_rows allows: their scale rows then follow each other too, the last
+// boundary inside a block becoming split_rows (which dense_gemm.cu honours).
+LinearWeight CudaBackend::fuse_linear_rows(const std::vector<const LinearWeight*>& parts) {
+  if (parts.empty()) return {};
+  const DType dt = parts[0]->w.dtype();
+  const bool fp8 = dt == DType::kF8E4M3;
+  if (!fp8 && dt != DType::kBF16) return {};
+  for (const LinearWeight* p : parts)
+    if (p->w.dtype() != dt || !p->w.contiguous() || fp8 != p->scale_inv.defined() ||
+        (fp8 && !p->scale_inv.contiguous()))
+      return {};
+  const int split = fused_split_rows(parts, fp8);
+  if (split < 0) return {};
+  LinearWeight f = *parts[0];
+  int64_t rows = 0, scale_rows = 0;
+  for (const LinearWeight* p : parts) {
+    rows += p->out;
+    if (fp8) scale_rows += p->scale_inv.dim(0);
+  }
+  f.out = static_cast<int>(rows);
+  f.split_rows = split;
+  f.w = device_tensor(dt, {rows, f.in});
+  if (fp8) f.scale_inv = device_tensor(DType::kF32, {scale_rows, parts[0]->scale_inv.dim(1)});
+  size_t w_off = 0, s_off = 0;
+  for (const LinearWeight* p : parts) {
+    MOELORA_CUDA_CHECK(cudaMemcpy(static_cast<char*>(f.w.data()) + w_off, p->w.data(), p->w.nbytes(),
+                                  cudaMemcpyDeviceToDevice));
+    w_off += p->w.nbytes();
+    if (!fp8) continue;
+    MOELORA_CHECK(p->scale_inv.dim(1) == f.scale_inv.dim(1) && p->scale_inv.dtype() == DType::kF32);
+    MOELORA_CUDA_CHECK(cudaMemcpy(static_cast<char*>(f.scale_inv.data()) + s_off, p->scale_inv.data(),
+                                  p->scale_inv.nbytes(), cudaMemcpyDeviceToDevice));
+    s_off += p->scale_inv.nbytes();
+  }
+  return f;
+}
+
 ExpertWeights CudaBackend::upload_experts(const std::vector<StoredWeight>& gate_w, const std::vector<StoredWeight>& up_w,
                                           const std::vector<StoredWeight>& down_w) {
   const WeightFormat fmt = gate_w[0].format;

@@ -83,6 +83,8 @@ class CudaBackend final : public Backend {
   void embed(const Tensor& table, Tensor out) override;
   void rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor out) override;
   void linear(const Tensor& x, const LinearWeight& w, const LoraModuleTable* lora, Tensor out) override;
+  void linear_parts(const Tensor& x, const LinearWeight& w, const std::vector<LinearPart>& parts, Tensor out) override;
+  LinearWeight fuse_linear_rows(const std::vector<const LinearWeight*>& parts) override;
   void rope(Tensor x, int heads, int head_stride, int rot_offset, const RopeTable& rope) override;
   void attention(const Tensor& q, const Tensor& k, const Tensor& v, KvLayer& kv, int heads, float scale,
                  Tensor out) override;
@@ -134,6 +136,9 @@ class CudaBackend final : public Backend {
   };
   void replan_lora(const std::vector<LoraRecipe>& recipes);
   void capture_lora(const Tensor& x, void* y, int64_t ld_y, const LoraModuleTable& lora);
+  // linear() in two halves: the base GEMM into out, then a LoRA delta added to y (a slice of it).
+  void base_linear(const Tensor& x, const LinearWeight& w, Tensor out);
+  void add_lora(const Tensor& x, Tensor y, const LoraModuleTable& lora);
   std::vector<LoraRecipe> capture_recipes_;
   static constexpr int kGraphMaxPositions = 16384;
   void upload_step_metadata();

@@ -91,6 +91,21 @@ void CudaBackend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor ou
 }
 
 void CudaBackend::linear(const Tensor& x, const LinearWeight& w, const LoraModuleTable* lora, Tensor out) {
+  base_linear(x, w, out);
+  if (lora != nullptr) add_lora(x, out, *lora);
+}
+
+void CudaBackend::linear_parts(const Tensor& x, const LinearWeight& w, const std::vector<LinearPart>& parts,
+                               Tensor out) {
+  base_linear(x, w, out);
+  for (const LinearPart& p : parts) {
+    MOELORA_CHECK_MSG(p.begin >= 0 && p.out > 0 && p.begin + p.out <= w.out, "linear_parts: part [{}, +{}) of {}",
+                      p.begin, p.out, w.out);
+    if (p.lora != nullptr) add_lora(x, out.slice_cols(p.begin, p.out), *p.lora);
+  }
+}
+
+void CudaBackend::base_linear(const Tensor& x, const LinearWeight& w, Tensor out) {
   MOELORA_CHECK_MSG(x.cols() == w.in && out.cols() == w.out && x.rows() == out.rows(), "linear: x {} W [{}, {}] out {}",
                     x.shape_string(), w.out, w.in, out.shape_string());
   const int M = static_cast<int>(x.rows());
@@ -114,18 +129,24 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& w, const LoraModul
     scratch.ptr = arena_alloc(scratch.bytes);
   }
   cuda::dense_linear(*dense_, a, scratch, main_);
-  if (lora == nullptr || M == 0) return;
+}
+
+// y += the per-token LoRA delta of `lora` (y: the projection's output, possibly a column slice).
+void CudaBackend::add_lora(const Tensor& x, Tensor y, const LoraModuleTable& lora) {
+  const int M = static_cast<int>(x.rows());
+  if (M == 0) return;
+  MOELORA_CHECK_MSG(y.dtype() == DType::kBF16 && y.rows() == M && y.cols() == lora.out && x.cols() == lora.in,
+                    "LoRA [{} -> {}] on x {} into {}", lora.in, lora.out, x.shape_string(), y.shape_string());
   if (mode_ == StepMode::kCapture) {
-    if (lora_active_) capture_lora(x, a.y, out.ld(), *lora);
+    if (lora_active_) capture_lora(x, act(y), y.ld(), lora);
     return;
   }
   // Nothing to do when no token of the step uses a slot with this projection.
   bool any = false;
-  for (int32_t s : batch_.token_slot) any = any || (s >= 0 && lora->host_rank[s] > 0);
+  for (int32_t s : batch_.token_slot) any = any || (s >= 0 && lora.host_rank[s] > 0);
   if (!any) return;
-  MOELORA_CHECK(out.dtype() == DType::kBF16);
-  const cuda::LoraProblem pr = lora_problem(x, a.y, a.ld_y, *lora);
-  std::string key = fmt::format("{}x{}:{}", lora->in, lora->out, fmt::join(lora->host_rank, ","));
+  const cuda::LoraProblem pr = lora_problem(x, act(y), y.ld(), lora);
+  std::string key = fmt::format("{}x{}:{}", lora.in, lora.out, fmt::join(lora.host_rank, ","));
   auto it = meta_->lora_plans.find(key);
   if (it == meta_->lora_plans.end()) {
     StepMeta::PlannedLora pl;
