@@ -443,6 +443,7 @@ const float* CudaBackend::device_inv_freq(const RopeTable& rope) {
 }
 
 Tensor CudaBackend::to_host_f32(const Tensor& t) {
+  flush_route();
   Tensor out = Tensor::empty_host(DType::kF32, {t.rows(), t.cols()});
   if (t.dtype() == DType::kF32) {
     MOELORA_CUDA_CHECK(cudaMemcpy2DAsync(out.data(), t.cols() * 4, t.data(), t.ld() * 4, t.cols() * 4, t.rows(),

@@ -19,6 +19,7 @@
 #include <memory>
 #include <vector>
 
+#include "backends/cuda/kernels/router.cuh"
 #include "ops/backend.h"
 
 namespace moelora::cuda {
@@ -111,7 +112,10 @@ class CudaBackend final : public Backend {
   void fit_scratch(size_t bytes) override;
   bool device_memory(size_t* free, size_t* total) override;
   std::string device_description() const override;
-  void synchronize() override { sync_main(); }
+  void synchronize() override {
+    flush_route();
+    sync_main();
+  }
   void device_timer_begin() override;
   double device_timer_end_us() override;
   double take_device_wait_seconds() override {
@@ -138,6 +142,12 @@ class CudaBackend final : public Backend {
   void capture_lora(const Tensor& x, void* y, int64_t ld_y, const LoraModuleTable& lora);
   // linear() in two halves: the base GEMM into out, then a LoRA delta added to y (a slice of it).
   void base_linear(const Tensor& x, const LinearWeight& w, Tensor out);
+  // topk_softmax / topk_sigmoid_grouped record their routing for the moe() that reads the ids
+  // (cuda_backend_ops.cu); flush_route launches a recorded routing on its own.
+  void defer_route(const cuda::RouterParams& p);
+  void flush_route();
+  cuda::RouterParams pending_route_;
+  bool route_pending_ = false;
   void add_lora(const Tensor& x, Tensor y, const LoraModuleTable& lora);
   std::vector<LoraRecipe> capture_recipes_;
   static constexpr int kGraphMaxPositions = 16384;

@@ -270,6 +270,11 @@ void CudaBackend::router_logits(const Tensor& x, const LinearWeight& gate, Tenso
   linear(x, gate, nullptr, out);  // out is f32: dense_linear writes f32 logits
 }
 
+// Routing is recorded here and run by the moe() that consumes these ids and weights, together with
+// the layer's alignment: moe_forward routes inside moe_align at small batches (one launch less per
+// MoE layer, cuda_plan::choose_moe_tuning's fuse_route) and launches the router kernel itself
+// otherwise. Nothing reads the ids in between in a forward pass; flush_route() runs a recorded
+// routing on its own wherever something else might (another routing, a host copy, the step's end).
 void CudaBackend::topk_softmax(const Tensor& logits, int k, bool renormalize, Tensor ids, Tensor weights) {
   cuda::RouterParams p;
   p.logits = logits.ptr<float>();
@@ -280,7 +285,7 @@ void CudaBackend::topk_softmax(const Tensor& logits, int k, bool renormalize, Te
   p.renormalize = renormalize;
   p.ids = ids.ptr<int32_t>();
   p.weights = weights.ptr<float>();
-  cuda::router_topk(p, main_);
+  defer_route(p);
 }
 
 void CudaBackend::topk_sigmoid_grouped(const Tensor& logits, const Tensor& bias, int k, int n_group, int topk_group,
@@ -298,7 +303,19 @@ void CudaBackend::topk_sigmoid_grouped(const Tensor& logits, const Tensor& bias,
   p.scaling = scaling;
   p.ids = ids.ptr<int32_t>();
   p.weights = weights.ptr<float>();
-  cuda::router_topk(p, main_);
+  defer_route(p);
+}
+
+void CudaBackend::defer_route(const cuda::RouterParams& p) {
+  flush_route();
+  pending_route_ = p;
+  route_pending_ = true;
+}
+
+void CudaBackend::flush_route() {
+  if (!route_pending_) return;
+  route_pending_ = false;
+  cuda::router_topk(pending_route_, main_);
 }
 
 void CudaBackend::moe(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,
@@ -319,6 +336,15 @@ void CudaBackend::moe(const Tensor& x, const Tensor& ids, const Tensor& weights,
   a.out = act(out);
   a.ldo = out.ld();
   a.allow_fp8_activations = opts_.moe_fp8_activations;
+  // The routing recorded for these ids runs inside moe_forward (with moe_align at small batches).
+  if (route_pending_ && pending_route_.ids == a.ids && pending_route_.weights == a.weights && pending_route_.T == T &&
+      pending_route_.k == static_cast<int>(ids.cols())) {
+    route_pending_ = false;
+    a.logits = pending_route_.logits;
+    a.router = pending_route_;
+  } else {
+    flush_route();
+  }
   // The kernels for this batch, chosen once here so that the workspace carves only the e4m3
   // activation buffers that regime reads (at a prefill chunk they are ~0.1 GB of arena).
   a.tuning = cuda::moe_tuning(a);

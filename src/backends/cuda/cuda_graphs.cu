@@ -201,6 +201,7 @@ void CudaBackend::replan_lora(const std::vector<LoraRecipe>& recipes) {
 }
 
 void CudaBackend::end_step_body(const Tensor& logits) {
+  flush_route();  // a routing no moe() consumed still writes its ids
   if (mode_ != StepMode::kCapture) return;
   cudaGraph_t graph = nullptr;
   MOELORA_CUDA_CHECK(cudaStreamEndCapture(main_, &graph));
