@@ -45,16 +45,23 @@ __device__ __forceinline__ float weight_at(const MoeGemmParams& p, int64_t row, 
   }
 }
 
+// This warp's (tile, output feature) of a grid of [max_tiles, ceil(outputs / kWarps)] blocks, after
+// the PDL wait (before anything is read); false when there is none (past the tiles moe_align wrote
+// or past the outputs: whole warps, no block-level synchronisation follows).
+__device__ __forceinline__ bool warp_item(const MoeGemmParams& p, int outputs, int& tile, int& feature) {
+  pdl_wait();  // first: see launch_pdl (launch.cuh)
+  pdl_trigger();
+  tile = blockIdx.x;
+  feature = blockIdx.y * kWarps + static_cast<int>(threadIdx.x >> 5);
+  return tile < p.counters[kMoeCntTiles] && feature < outputs;
+}
+
 // gate_up: act[p, f] = silu(g + dg) * (u + du), g / u = x[p / top_k] . W rows (e*2I + f, e*2I + I + f).
 template <bool kFp8>
 __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_generic_kernel(const __grid_constant__ MoeGemmParams p) {
-  pdl_wait();  // first: see launch_pdl (launch.cuh)
-  pdl_trigger();
-  const int tile = blockIdx.x;
-  if (tile >= p.counters[kMoeCntTiles]) return;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int f = blockIdx.y * kWarps + warp;
-  if (f >= p.I) return;  // whole warps; no block-level synchronisation
+  int tile, f;
+  if (!warp_item(p, p.I, tile, f)) return;
+  const int lane = threadIdx.x & 31;
   const int H = p.H, I = p.I, e = p.tiles[tile].expert;
   const int64_t row_g = static_cast<int64_t>(e) * 2 * I + f, row_u = row_g + I;
   const float *s_g = nullptr, *s_u = nullptr;
@@ -90,13 +97,9 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_generic_kernel(const 
 // down: y[p, h] = act[p] . W row (e*H + h).
 template <bool kFp8>
 __global__ void __launch_bounds__(kWarps * 32) moe_down_generic_kernel(const __grid_constant__ MoeGemmParams p) {
-  pdl_wait();  // first: see launch_pdl (launch.cuh)
-  pdl_trigger();
-  const int tile = blockIdx.x;
-  if (tile >= p.counters[kMoeCntTiles]) return;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int h = blockIdx.y * kWarps + warp;
-  if (h >= p.H) return;
+  int tile, h;
+  if (!warp_item(p, p.H, tile, h)) return;
+  const int lane = threadIdx.x & 31;
   const int H = p.H, I = p.I, e = p.tiles[tile].expert;
   const int64_t row = static_cast<int64_t>(e) * H + h;
   const float* s = nullptr;
@@ -119,30 +122,27 @@ void check_generic(const MoeGemmParams& p, bool gate_up) {
   MOELORA_CHECK(p.align_tile_rows == moe_gemm_tile_rows(p.tile));
   MOELORA_CHECK(p.wtype == MoeWeightType::kBf16 || p.w_scale);
   MOELORA_CHECK(gate_up ? (p.act && p.top_k >= 1) : (p.y != nullptr));
-  MOELORA_CHECK_MSG(ceil_div(gate_up ? p.I : p.H, kWarps) <= 65535, "generic MoE GEMM: {} outputs exceed the grid",
-                    gate_up ? p.I : p.H);
+}
+
+// One warp per (tile, output): I features for gate_up, H rows for down.
+void launch(const MoeGemmParams& p, bool gate_up, void (*fp8_kernel)(MoeGemmParams),
+            void (*bf16_kernel)(MoeGemmParams), cudaStream_t stream) {
+  check_generic(p, gate_up);
+  const int outputs = gate_up ? p.I : p.H;
+  MOELORA_CHECK_MSG(ceil_div(outputs, kWarps) <= 65535, "generic MoE GEMM: {} outputs exceed the grid", outputs);
+  if (p.max_tiles <= 0) return;
+  const dim3 grid(p.max_tiles, ceil_div(outputs, kWarps));
+  moe_launch(p.wtype == MoeWeightType::kFp8 ? fp8_kernel : bf16_kernel, grid, dim3(kWarps * 32), 0, stream, p.pdl, p);
 }
 
 }  // namespace
 
 void moe_gate_up_generic(const MoeGemmParams& p, cudaStream_t stream) {
-  check_generic(p, true);
-  if (p.max_tiles <= 0) return;
-  const dim3 grid(p.max_tiles, ceil_div(p.I, kWarps));
-  if (p.wtype == MoeWeightType::kFp8)
-    moe_launch(moe_gate_up_generic_kernel<true>, grid, dim3(kWarps * 32), 0, stream, p.pdl, p);
-  else
-    moe_launch(moe_gate_up_generic_kernel<false>, grid, dim3(kWarps * 32), 0, stream, p.pdl, p);
+  launch(p, true, moe_gate_up_generic_kernel<true>, moe_gate_up_generic_kernel<false>, stream);
 }
 
 void moe_down_generic(const MoeGemmParams& p, cudaStream_t stream) {
-  check_generic(p, false);
-  if (p.max_tiles <= 0) return;
-  const dim3 grid(p.max_tiles, ceil_div(p.H, kWarps));
-  if (p.wtype == MoeWeightType::kFp8)
-    moe_launch(moe_down_generic_kernel<true>, grid, dim3(kWarps * 32), 0, stream, p.pdl, p);
-  else
-    moe_launch(moe_down_generic_kernel<false>, grid, dim3(kWarps * 32), 0, stream, p.pdl, p);
+  launch(p, false, moe_down_generic_kernel<true>, moe_down_generic_kernel<false>, stream);
 }
 
 }  // namespace moelora::cuda
