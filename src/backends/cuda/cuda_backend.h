@@ -131,24 +131,31 @@ class CudaBackend final : public Backend {
   struct StepMeta;  // device copies of the step's token/page arrays
   struct Graphs;    // captured decode graphs (cuda_graphs.cu)
   struct Sampler;   // sampling buffers (cuda_sampler.cu)
-  // Where a captured graph reads a LoRA grouping plan that depends on the batch.
+  // Where a captured graph reads a LoRA grouping plan that depends on the batch: one plan for the
+  // projections of one launch (up to cuda::kLoraMaxProblems, each with its table).
   struct LoraRecipe {
-    const LoraModuleTable* table;
+    std::vector<const LoraModuleTable*> tables;
     void* dev_meta;
     size_t bytes;
     int capacity;
   };
   void replan_lora(const std::vector<LoraRecipe>& recipes);
-  void capture_lora(const Tensor& x, void* y, int64_t ld_y, const LoraModuleTable& lora);
-  // linear() in two halves: the base GEMM into out, then a LoRA delta added to y (a slice of it).
+  // One projection's LoRA output: y (the projection's output or a column slice of it) += B_s A_s x.
+  struct LoraOutput {
+    Tensor y;
+    const LoraModuleTable* table;
+  };
+  void capture_lora(const Tensor& x, const std::vector<LoraOutput>& outs);
+  // linear() in two halves: the base GEMM into out, then the LoRA deltas of the projections that
+  // read x, all in one launch of the LoRA kernel.
   void base_linear(const Tensor& x, const LinearWeight& w, Tensor out);
+  void add_lora(const Tensor& x, const std::vector<LoraOutput>& outs);
   // topk_softmax / topk_sigmoid_grouped record their routing for the moe() that reads the ids
   // (cuda_backend_ops.cu); flush_route launches a recorded routing on its own.
   void defer_route(const cuda::RouterParams& p);
   void flush_route();
   cuda::RouterParams pending_route_;
   bool route_pending_ = false;
-  void add_lora(const Tensor& x, Tensor y, const LoraModuleTable& lora);
   std::vector<LoraRecipe> capture_recipes_;
   static constexpr int kGraphMaxPositions = 16384;
   void upload_step_metadata();

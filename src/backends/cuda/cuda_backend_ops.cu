@@ -92,17 +92,23 @@ void CudaBackend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor ou
 
 void CudaBackend::linear(const Tensor& x, const LinearWeight& w, const LoraModuleTable* lora, Tensor out) {
   base_linear(x, w, out);
-  if (lora != nullptr) add_lora(x, out, *lora);
+  if (lora != nullptr) add_lora(x, {{out, lora}});
 }
 
+// The parts' LoRA deltas go in one launch of the segmented kernel (it takes up to kLoraMaxProblems
+// projections of one input): q,k,v at one token measured 9.7 us so against 22.1 us as three
+// launches (bench/RESULTS.md, dense multi-LoRA).
 void CudaBackend::linear_parts(const Tensor& x, const LinearWeight& w, const std::vector<LinearPart>& parts,
                                Tensor out) {
   base_linear(x, w, out);
+  std::vector<LoraOutput> outs;
   for (const LinearPart& p : parts) {
     MOELORA_CHECK_MSG(p.begin >= 0 && p.out > 0 && p.begin + p.out <= w.out, "linear_parts: part [{}, +{}) of {}",
                       p.begin, p.out, w.out);
-    if (p.lora != nullptr) add_lora(x, out.slice_cols(p.begin, p.out), *p.lora);
+    if (p.lora != nullptr) outs.push_back({out.slice_cols(p.begin, p.out), p.lora});
   }
+  MOELORA_CHECK(static_cast<int>(outs.size()) <= cuda::kLoraMaxProblems);
+  if (!outs.empty()) add_lora(x, outs);
 }
 
 void CudaBackend::base_linear(const Tensor& x, const LinearWeight& w, Tensor out) {
@@ -131,51 +137,66 @@ void CudaBackend::base_linear(const Tensor& x, const LinearWeight& w, Tensor out
   cuda::dense_linear(*dense_, a, scratch, main_);
 }
 
-// y += the per-token LoRA delta of `lora` (y: the projection's output, possibly a column slice).
-void CudaBackend::add_lora(const Tensor& x, Tensor y, const LoraModuleTable& lora) {
+// Every output's y += its per-token LoRA delta (y: a projection's output, or a column slice of it).
+void CudaBackend::add_lora(const Tensor& x, const std::vector<LoraOutput>& outs) {
   const int M = static_cast<int>(x.rows());
-  if (M == 0) return;
-  MOELORA_CHECK_MSG(y.dtype() == DType::kBF16 && y.rows() == M && y.cols() == lora.out && x.cols() == lora.in,
-                    "LoRA [{} -> {}] on x {} into {}", lora.in, lora.out, x.shape_string(), y.shape_string());
+  if (M == 0 || outs.empty()) return;
+  for (const LoraOutput& o : outs)
+    MOELORA_CHECK_MSG(o.y.dtype() == DType::kBF16 && o.y.rows() == M && o.y.cols() == o.table->out &&
+                          x.cols() == o.table->in && o.table->num_slots == outs[0].table->num_slots,
+                      "LoRA [{} -> {}] on x {} into {}", o.table->in, o.table->out, x.shape_string(),
+                      o.y.shape_string());
   if (mode_ == StepMode::kCapture) {
-    if (lora_active_) capture_lora(x, act(y), y.ld(), lora);
+    if (lora_active_) capture_lora(x, outs);
     return;
   }
-  // Nothing to do when no token of the step uses a slot with this projection.
-  bool any = false;
-  for (int32_t s : batch_.token_slot) any = any || (s >= 0 && lora.host_rank[s] > 0);
-  if (!any) return;
-  const cuda::LoraProblem pr = lora_problem(x, act(y), y.ld(), lora);
-  std::string key = fmt::format("{}x{}:{}", lora.in, lora.out, fmt::join(lora.host_rank, ","));
+  // Only the projections that some token of the step uses with a non-zero rank.
+  std::vector<cuda::LoraProblem> prs;
+  std::string key;
+  for (const LoraOutput& o : outs) {
+    bool any = false;
+    for (int32_t s : batch_.token_slot) any = any || (s >= 0 && o.table->host_rank[s] > 0);
+    if (!any) continue;
+    prs.push_back(lora_problem(x, act(o.y), o.y.ld(), *o.table));
+    key += fmt::format("{}x{}:{};", o.table->in, o.table->out, fmt::join(o.table->host_rank, ","));
+  }
+  if (prs.empty()) return;
+  const int n = static_cast<int>(prs.size());
   auto it = meta_->lora_plans.find(key);
   if (it == meta_->lora_plans.end()) {
     StepMeta::PlannedLora pl;
-    pl.plan = cuda::lora_plan(batch_.token_slot.data(), M, &pr, 1);
+    pl.plan = cuda::lora_plan(batch_.token_slot.data(), M, prs.data(), n);
     const size_t bytes = cuda::lora_meta_bytes(pl.plan.capacity, M);
     pl.dev_meta = meta_->plan_alloc(bytes);
     cuda::lora_upload_plan(pl.plan, pl.dev_meta, bytes, main_);
     it = meta_->lora_plans.emplace(key, std::move(pl)).first;
   }
   cuda::LoraScratch ls;
-  ls.bytes = cuda::lora_single_scratch_bytes(M, &pr, 1);
+  ls.bytes = cuda::lora_single_scratch_bytes(M, prs.data(), n);
   ls.ptr = arena_alloc(ls.bytes);
-  cuda::lora_run(*lora_, &pr, 1, it->second.plan, it->second.dev_meta, ls, main_);
+  cuda::lora_run(*lora_, prs.data(), n, it->second.plan, it->second.dev_meta, ls, main_);
 }
 
 // Inside a capture: the segmented kernel over a fixed number of work items, its plan written to
 // a recipe address before every launch of the graph (see cuda_graphs.cu).
-void CudaBackend::capture_lora(const Tensor& x, void* y, int64_t ld_y, const LoraModuleTable& lora) {
+void CudaBackend::capture_lora(const Tensor& x, const std::vector<LoraOutput>& outs) {
   const int M = static_cast<int>(x.rows());
-  const cuda::LoraProblem pr = lora_problem(x, static_cast<bf16*>(y), ld_y, lora);
-  const int capacity = cuda::lora_max_items(M, lora.num_slots, 1);
+  std::vector<cuda::LoraProblem> prs;
+  LoraRecipe recipe;
+  for (const LoraOutput& o : outs) {
+    prs.push_back(lora_problem(x, act(o.y), o.y.ld(), *o.table));
+    recipe.tables.push_back(o.table);
+  }
+  const int n = static_cast<int>(prs.size());
+  recipe.capacity = cuda::lora_max_items(M, outs[0].table->num_slots, n);
   cuda::LoraPlanOptions po;
   po.single_adapter_gemm = false;
-  cuda::LoraPlan plan = cuda::lora_plan(batch_.token_slot.data(), M, &pr, 1, po, capacity);
-  const size_t bytes = cuda::lora_meta_bytes(capacity, M);
-  void* dev_meta = meta_->plan_alloc(bytes);
-  capture_recipes_.push_back({&lora, dev_meta, bytes, capacity});
+  cuda::LoraPlan plan = cuda::lora_plan(batch_.token_slot.data(), M, prs.data(), n, po, recipe.capacity);
+  recipe.bytes = cuda::lora_meta_bytes(recipe.capacity, M);
+  recipe.dev_meta = meta_->plan_alloc(recipe.bytes);
+  capture_recipes_.push_back(recipe);
   cuda::LoraScratch none;
-  cuda::lora_run(*lora_, &pr, 1, plan, dev_meta, none, main_, capacity);
+  cuda::lora_run(*lora_, prs.data(), n, plan, recipe.dev_meta, none, main_, recipe.capacity);
 }
 
 void CudaBackend::rope(Tensor x, int heads, int head_stride, int rot_offset, const RopeTable& rope) {

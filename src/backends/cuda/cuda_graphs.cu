@@ -135,8 +135,9 @@ const StepBatch& CudaBackend::begin_step(const StepBatch& in) {
   return batch_;
 }
 
-// A replayed graph reads one LoRA plan per captured projection (~5 per layer). Plans depend only on
-// the step's slots and the projection's (in, out, slot ranks), so each distinct one is planned once;
+// A replayed graph reads one LoRA plan per captured LoRA launch (one to three per layer). Plans
+// depend only on the step's slots and the projections' (in, out, slot ranks), so each distinct one
+// is planned once;
 // all are staged in pinned memory at their offsets in the plan region and sent with one copy per
 // contiguous run (the region is bump-allocated in capture order; only the attention metadata sits
 // between runs). One small copy per projection cost ~2 ms of host time per decode step.
@@ -156,30 +157,43 @@ void CudaBackend::replan_lora(const std::vector<LoraRecipe>& recipes) {
     MOELORA_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&meta_->plan_pinned), span, 0));
   }
   struct Planned {
-    const LoraModuleTable* table;
-    int capacity;
+    const LoraRecipe* recipe;
     std::vector<int32_t> meta;
   };
+  // Two recipes plan alike when their projections have the same shapes and slot ranks, in order.
+  auto same = [](const LoraRecipe& a, const LoraRecipe& b) {
+    if (a.capacity != b.capacity || a.tables.size() != b.tables.size()) return false;
+    for (size_t i = 0; i < a.tables.size(); ++i)
+      if (a.tables[i]->in != b.tables[i]->in || a.tables[i]->out != b.tables[i]->out ||
+          a.tables[i]->host_rank != b.tables[i]->host_rank)
+        return false;
+    return true;
+  };
   std::vector<Planned> planned;
+  planned.reserve(recipes.size());  // `p` below points into it
   std::vector<std::pair<char*, size_t>> ranges;  // (device address, aligned bytes) in region order
   for (const auto& r : recipes) {
     const Planned* p = nullptr;
     for (const Planned& q : planned)
-      if (q.capacity == r.capacity && q.table->in == r.table->in && q.table->out == r.table->out &&
-          q.table->host_rank == r.table->host_rank) {
+      if (same(*q.recipe, r)) {
         p = &q;
         break;
       }
     if (!p) {
-      cuda::LoraProblem pr;
-      pr.in = r.table->in;
-      pr.out = r.table->out;
-      pr.num_slots = r.table->num_slots;
-      pr.host_rank = r.table->host_rank.data();
+      std::vector<cuda::LoraProblem> prs;
+      for (const LoraModuleTable* t : r.tables) {
+        cuda::LoraProblem pr;
+        pr.in = t->in;
+        pr.out = t->out;
+        pr.num_slots = t->num_slots;
+        pr.host_rank = t->host_rank.data();
+        prs.push_back(pr);
+      }
       cuda::LoraPlanOptions po;
       po.single_adapter_gemm = false;  // the graph launched the segmented kernel
-      cuda::LoraPlan plan = cuda::lora_plan(batch_.token_slot.data(), batch_.num_tokens(), &pr, 1, po, r.capacity);
-      planned.push_back({r.table, r.capacity, std::move(plan.meta)});
+      cuda::LoraPlan plan = cuda::lora_plan(batch_.token_slot.data(), batch_.num_tokens(), prs.data(),
+                                            static_cast<int>(prs.size()), po, r.capacity);
+      planned.push_back({&r, std::move(plan.meta)});
       p = &planned.back();
     }
     const size_t bytes = p->meta.size() * sizeof(int32_t);
