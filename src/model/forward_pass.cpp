@@ -48,7 +48,7 @@ class Body {
     const int T = static_cast<int>(x.rows()), d = c_.head_dim;
     const int heads = par_.num_heads(), kv_heads = par_.num_kv_heads();
     const int qn = heads * d, kn = kv_heads * d;
-    Tensor q, k, v;
+    Tensor q, k, v, q_and_k;
     if (w.qkv.defined()) {  // one GEMM; q, k, v are column slices of its output
       Tensor qkv = b_.alloc_act(T, qn + 2 * kn);
       b_.linear_parts(x, w.qkv,
@@ -57,6 +57,7 @@ class Body {
       q = qkv.slice_cols(0, qn);
       k = qkv.slice_cols(qn, kn);
       v = qkv.slice_cols(qn + kn, kn);
+      q_and_k = qkv.slice_cols(0, qn + kn);
     } else {
       q = b_.alloc_act(T, qn);
       k = b_.alloc_act(T, kn);
@@ -70,8 +71,12 @@ class Body {
       b_.rmsnorm(q, w.q_norm, eps, q);
       b_.rmsnorm(k, w.k_norm, eps, k);
     }
-    b_.rope(q, heads, d, 0, rope_);
-    b_.rope(k, kv_heads, d, 0, rope_);
+    if (q_and_k.defined()) {  // adjacent: one rotation over heads + kv_heads heads of d
+      b_.rope(q_and_k, heads + kv_heads, d, 0, rope_);
+    } else {
+      b_.rope(q, heads, d, 0, rope_);
+      b_.rope(k, kv_heads, d, 0, rope_);
+    }
     Tensor attn = b_.alloc_act(T, heads * d);
     b_.attention(q, k, v, kv, heads, static_cast<float>(c_.attention_scale()), attn);
     Tensor out = b_.alloc_act(T, c_.hidden_size);
