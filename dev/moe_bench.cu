@@ -249,33 +249,40 @@ double worst_vs_cpu(Bench& b, int T, int adapters, const std::vector<float>& out
   return cmp.non_finite ? 1e9 : cmp.worst_rel;
 }
 
-// `dev_moe_bench wgmma`: the Hopper grouped GEMM (MoeTuning::wgmma) against the CPU reference and
-// against the mma.sync kernels, then both timed per tile at every batch, base and 8 adapters.
-bool wgmma_mode(Bench& b, int ncopies, double bw) {
+// Version `v` at every tile, T and adapter count against version `ref` (same tile) and, up to 64
+// tokens, the CPU reference: worst row relative error <= 1e-2 for both. Prints one line a point.
+bool check_tiles(Bench& b, const char* name, Version v, const char* ref_name, Version ref) {
   bool ok = true;
   for (int T : {1, 3, 64, 256})
     for (int tl = 0; tl < 4; ++tl)
       for (int adapters : {0, 8}) {
-        Version v = kV2;
-        v.tile = tl;
-        v.act8 = 0;
-        v.wgmma = 1;
+        v.tile = ref.tile = tl;
         b.launch(nullptr, 0, T, v, adapters);
         MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
         const auto out = b.out_of(0, T);
-        v.wgmma = 0;
-        b.launch(nullptr, 0, T, v, adapters);
+        b.launch(nullptr, 0, T, ref, adapters);
         MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-        const auto ref_sync = b.out_of(0, T);
-        const double vs_sync = compare_rows(out, ref_sync, T, kH).worst_rel;
+        const double vs_ref = compare_rows(out, b.out_of(0, T), T, kH).worst_rel;
         const double vs_cpu = T <= 64 ? worst_vs_cpu(b, T, adapters, out) : -1.0;  // the CPU is slow beyond
-        const bool pass = vs_sync <= 1e-2 && vs_cpu <= 1e-2;
+        const bool pass = vs_ref <= 1e-2 && vs_cpu <= 1e-2;
         ok &= pass;
-        std::printf("check wgmma tile %d %-6s T=%3d: worst row rel err vs CPU %.2e, vs mma.sync %.2e %s\n",
-                    moe_gemm_tile_rows(static_cast<MoeGemmTile>(tl)), adapters ? "8 LoRA" : "base", T, vs_cpu, vs_sync,
-                    pass ? "ok" : "FAIL");
+        std::printf("check %s tile %d %-6s T=%3d: worst row rel err vs CPU %.2e, vs %s %.2e %s\n", name,
+                    moe_gemm_tile_rows(static_cast<MoeGemmTile>(tl)), adapters ? "8 LoRA" : "base", T, vs_cpu,
+                    ref_name, vs_ref, pass ? "ok" : "FAIL");
       }
   std::printf("checks %s\n", ok ? "passed" : "FAILED");
+  return ok;
+}
+
+// `dev_moe_bench wgmma`: the Hopper grouped GEMM (MoeTuning::wgmma) against the CPU reference and
+// against the mma.sync kernels, then both timed per tile at every batch, base and 8 adapters.
+bool wgmma_mode(Bench& b, int ncopies, double bw) {
+  Version v = kV2;
+  v.act8 = 0;
+  v.wgmma = 1;
+  Version ref = v;
+  ref.wgmma = 0;
+  const bool ok = check_tiles(b, "wgmma", v, "mma.sync", ref);
   std::printf("\nmma.sync vs wgmma, W8A16, graph replay, %d copies, median of 30, us (floor at %.0f GB/s: all experts "
               "touched = %.1f us)\n", ncopies, bw, 3.0 * kH * kI * kE * (1.0 + 4.0 / 16384.0) / bw * 1e-3);
   std::printf("   T | adapters | sync t8 | t16 | t32 | t64 | wgmma t8 | t16 | t32 | t64 | default\n");
@@ -303,30 +310,13 @@ bool wgmma_mode(Bench& b, int ncopies, double bw) {
 // activations in the split form; W8A8) against the CPU reference, then timed per tile against the
 // dequantising wgmma GEMM and the mma.sync kernels.
 bool split_mode(Bench& b, int ncopies, double bw) {
-  bool ok = true;
-  for (int T : {1, 3, 64, 256})
-    for (int tl = 0; tl < 4; ++tl)
-      for (int adapters : {0, 8}) {
-        Version v = kV2;
-        v.tile = tl;
-        v.act8 = 0;
-        v.wgmma = 1;
-        v.split = 1;
-        b.launch(nullptr, 0, T, v, adapters);
-        MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-        const auto out = b.out_of(0, T);
-        v.split = 0;
-        b.launch(nullptr, 0, T, v, adapters);
-        MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-        const double vs_dequant = compare_rows(out, b.out_of(0, T), T, kH).worst_rel;
-        const double vs_cpu = T <= 64 ? worst_vs_cpu(b, T, adapters, out) : -1.0;  // the CPU is slow beyond
-        const bool pass = vs_dequant <= 1e-2 && vs_cpu <= 1e-2;
-        ok &= pass;
-        std::printf("check split tile %d %-6s T=%3d: worst row rel err vs CPU %.2e, vs dequantising wgmma %.2e %s\n",
-                    moe_gemm_tile_rows(static_cast<MoeGemmTile>(tl)), adapters ? "8 LoRA" : "base", T, vs_cpu, vs_dequant,
-                    pass ? "ok" : "FAIL");
-      }
-  std::printf("checks %s\n", ok ? "passed" : "FAILED");
+  Version v = kV2;
+  v.act8 = 0;
+  v.wgmma = 1;
+  v.split = 1;
+  Version ref = v;
+  ref.split = 0;
+  const bool ok = check_tiles(b, "split", v, "dequantising wgmma", ref);
   std::printf("\nW8A16: mma.sync (best tile) | wgmma dequantising t8 t16 t32 | wgmma split t8 t16 t32 t64; W8A8: mma.sync "
               "t16 | wgmma t8 t16 t32; graph replay, %d copies, median of 30, us (copy bandwidth %.0f GB/s)\n",
               ncopies, bw);

@@ -28,6 +28,27 @@ void Backend::linear_parts(const Tensor&, const LinearWeight&, const std::vector
 
 LinearWeight Backend::fuse_linear_rows(const std::vector<const LinearWeight*>&) { return {}; }
 
+void check_mla_absorbed_shapes(int step_tokens, const Tensor& q, const Tensor& latent, const Tensor& k_pe,
+                               const LinearWeight& kv_b, const LoraModuleTable* kv_b_lora, const KvLayer& kv,
+                               int heads, int nope, int v_dim, const Tensor& out) {
+  const int64_t T = q.rows(), R = latent.cols(), rope = k_pe.cols();
+  MOELORA_CHECK_MSG(T == step_tokens && latent.rows() == T && k_pe.rows() == T && out.rows() == T,
+                    "absorbed MLA: {} tokens in the step, q {} latent {} k_pe {} out {}", step_tokens,
+                    q.shape_string(), latent.shape_string(), k_pe.shape_string(), out.shape_string());
+  MOELORA_CHECK_MSG(q.cols() == int64_t{heads} * (nope + rope) && out.cols() == int64_t{heads} * v_dim,
+                    "absorbed MLA: q {} / out {} for {} heads of nope {}, rope {}, v {}", q.shape_string(),
+                    out.shape_string(), heads, nope, rope, v_dim);
+  MOELORA_CHECK_MSG(kv_b.in == R && kv_b.out == heads * (nope + v_dim),
+                    "absorbed MLA: kv_b [{}, {}] for {} heads x ({} + {}) rows of {} latent values", kv_b.out, kv_b.in,
+                    heads, nope, v_dim, R);
+  MOELORA_CHECK_MSG(kv.kv_heads == 1 && kv.k_head_dim == R + rope && kv.v_head_dim == 0,
+                    "absorbed MLA needs the latent cache (1 head of {} values, no V), got {} heads of {} / {}", R + rope,
+                    kv.kv_heads, kv.k_head_dim, kv.v_head_dim);
+  if (kv_b_lora)
+    MOELORA_CHECK_MSG(kv_b_lora->in == R && kv_b_lora->out == kv_b.out, "kv_b LoRA table [{} -> {}], want [{} -> {}]",
+                      kv_b_lora->in, kv_b_lora->out, R, kv_b.out);
+}
+
 namespace {
 
 // Factors are copied on the placement worker with Backend::upload; the table entries (host memory,

@@ -232,6 +232,14 @@ class Backend {
   virtual double device_timer_end_us() { return -1.0; }
 };
 
+// The shapes Backend::mla_attention_absorbed's contract states, checked once for every backend:
+// q [T, heads*(nope+rope)], latent [T, R], k_pe [T, rope], out [T, heads*v_dim] with T the step's
+// tokens; kv_b [heads*(nope+v_dim), R] and its LoRA table the same; the latent cache (1 head of
+// R + rope values, no V). A mismatch is a broken invariant (MOELORA_CHECK), not bad input.
+void check_mla_absorbed_shapes(int step_tokens, const Tensor& q, const Tensor& latent, const Tensor& k_pe,
+                               const LinearWeight& kv_b, const LoraModuleTable* kv_b_lora, const KvLayer& kv,
+                               int heads, int nope, int v_dim, const Tensor& out);
+
 // One adapter being copied into one slot (Backend::begin_lora_placement). Threads:
 // - the slot pool's placement worker, while the engine thread runs steps: upload, set_lora,
 //   set_moe_lora, then finish, one call at a time;

@@ -314,17 +314,10 @@ void CpuBackend::mla_attention_absorbed(const Tensor& q, const Tensor& latent, c
                                         int heads, int nope, int v_dim, float scale, Tensor out) {
   const int R = static_cast<int>(latent.cols()), rope = static_cast<int>(k_pe.cols());
   const int64_t T = q.rows();
-  MOELORA_CHECK_MSG(T == batch_.num_tokens() && latent.rows() == T && k_pe.rows() == T && out.rows() == T,
-                    "absorbed MLA: {} tokens in the step, q {} latent {} k_pe {} out {}", batch_.num_tokens(),
-                    q.shape_string(), latent.shape_string(), k_pe.shape_string(), out.shape_string());
-  MOELORA_CHECK_MSG(q.cols() == int64_t{heads} * (nope + rope) && out.cols() == int64_t{heads} * v_dim,
-                    "absorbed MLA: q {} / out {} for {} heads of nope {}, rope {}, v {}", q.shape_string(),
-                    out.shape_string(), heads, nope, rope, v_dim);
+  check_mla_absorbed_shapes(batch_.num_tokens(), q, latent, k_pe, kv_b, kv_b_lora, kv, heads, nope, v_dim, out);
   // The CPU backend holds every weight as float32 (FP8 dequantised at upload, as for linear).
-  MOELORA_CHECK_MSG(kv_b.w.dtype() == DType::kF32 && kv_b.w.contiguous() && kv_b.in == R &&
-                        kv_b.out == heads * (nope + v_dim),
-                    "absorbed MLA: kv_b [{}, {}] for {} heads x ({} + {}) rows of {} latent values", kv_b.out, kv_b.in,
-                    heads, nope, v_dim, R);
+  MOELORA_CHECK_MSG(kv_b.w.dtype() == DType::kF32 && kv_b.w.contiguous(), "absorbed MLA: kv_b of {}",
+                    dtype_name(kv_b.w.dtype()));
   cpu::MlaAbsorbedArgs a{q.ptr<float>(), q.ld(), latent.ptr<float>(), latent.ld(), k_pe.ptr<float>(), k_pe.ld(),
                          kv_b.w.ptr<float>(), kv_b_lora, out.ptr<float>(), out.ld(), T, heads, nope, rope, v_dim, R,
                          scale, batch_.positions.data(), batch_.token_seq.data(), batch_.token_slot.data(), &batch_};

@@ -96,8 +96,8 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& w, const LoraModul
 }
 
 // The parts' LoRA deltas go in one launch of the segmented kernel (it takes up to kLoraMaxProblems
-// projections of one input): q,k,v at one token measured 9.7 us so against 22.1 us as three
-// launches (bench/RESULTS.md, dense multi-LoRA).
+// projections of one input): q,k,v at one token measured 9.7 us in one launch against 22.1 us in
+// three (bench/RESULTS.md, dense multi-LoRA).
 void CudaBackend::linear_parts(const Tensor& x, const LinearWeight& w, const std::vector<LinearPart>& parts,
                                Tensor out) {
   base_linear(x, w, out);
@@ -497,25 +497,11 @@ void CudaBackend::mla_attention_absorbed(const Tensor& q, const Tensor& latent, 
                                          const LinearWeight& kv_b, const LoraModuleTable* kv_b_lora, KvLayer& kv,
                                          int heads, int nope, int v_dim, float scale, Tensor out) {
   const int T = static_cast<int>(q.rows()), R = static_cast<int>(latent.cols()), rope = static_cast<int>(k_pe.cols());
-  MOELORA_CHECK_MSG(T == batch_.num_tokens() && latent.rows() == T && k_pe.rows() == T && out.rows() == T,
-                    "absorbed MLA: {} tokens in the step, q {} latent {} k_pe {} out {}", batch_.num_tokens(),
-                    q.shape_string(), latent.shape_string(), k_pe.shape_string(), out.shape_string());
-  MOELORA_CHECK_MSG(q.cols() == int64_t{heads} * (nope + rope) && out.cols() == int64_t{heads} * v_dim,
-                    "absorbed MLA: q {} / out {} for {} heads of nope {}, rope {}, v {}", q.shape_string(),
-                    out.shape_string(), heads, nope, rope, v_dim);
-  MOELORA_CHECK_MSG(kv_b.in == R && kv_b.out == heads * (nope + v_dim),
-                    "absorbed MLA: kv_b [{}, {}] for {} heads x ({} + {}) rows of {} latent values", kv_b.out, kv_b.in,
-                    heads, nope, v_dim, R);
-  MOELORA_CHECK_MSG(kv.kv_heads == 1 && kv.k_head_dim == R + rope && kv.v_head_dim == 0,
-                    "absorbed MLA needs the latent cache (1 head of {} values, no V), got {} heads of {} / {}", R + rope,
-                    kv.kv_heads, kv.k_head_dim, kv.v_head_dim);
+  check_mla_absorbed_shapes(batch_.num_tokens(), q, latent, k_pe, kv_b, kv_b_lora, kv, heads, nope, v_dim, out);
   MOELORA_CHECK_MSG(R + rope <= cuda_plan::kMlaMaxLatentWidth,
                     "absorbed MLA: kv_lora_rank {} + rope {} above the kernels' {} (cuda_plan::check_shape_limits "
                     "refuses such a model at load)",
                     R, rope, cuda_plan::kMlaMaxLatentWidth);
-  if (kv_b_lora)
-    MOELORA_CHECK_MSG(kv_b_lora->in == R && kv_b_lora->out == kv_b.out, "kv_b LoRA table [{} -> {}], want [{} -> {}]",
-                      kv_b_lora->in, kv_b_lora->out, R, kv_b.out);
   const MlaAbsorbedWeights& w = mla_absorbed_weights(kv_b, heads, nope, v_dim);
   if (T == 0) return;
 

@@ -1,7 +1,5 @@
 #include "backends/cuda_plan/shape_limits.h"
 
-#include <algorithm>
-
 #include <fmt/format.h>
 
 namespace moelora::cuda_plan {

@@ -7,7 +7,6 @@
 // update the mirror here, or the model stays refused.
 #pragma once
 
-#include <array>
 #include <cstddef>
 #include <string>
 #include <vector>

@@ -100,9 +100,9 @@ __global__ void __launch_bounds__(kGenericWarps * 32) attn_generic_kernel(const 
 
 void launch_generic(const KParams& k, cudaStream_t stream) {
   const AttentionParams& a = k.a;
-  MOELORA_CHECK_MSG(a.k_head_dim % 8 == 0 && a.k_head_dim <= kMaxDim && a.v_head_dim > 0 && a.v_head_dim <= kMaxDim,
-                    "generic attention: head dims k={} v={} (k a multiple of 8, both at most {})", a.k_head_dim,
-                    a.v_head_dim, kMaxDim);
+  MOELORA_CHECK_MSG(cuda_plan::choose_attention_kernel(a.k_head_dim, a.v_head_dim) ==
+                        cuda_plan::AttentionKernel::kGeneric,
+                    "generic attention: head dims k={} v={} are not the generic kernel's", a.k_head_dim, a.v_head_dim);
   const int64_t items = static_cast<int64_t>(a.T) * a.heads;
   if (items == 0) return;
   const int blocks = static_cast<int>((items + kGenericWarps - 1) / kGenericWarps);

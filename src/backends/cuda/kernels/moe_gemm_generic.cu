@@ -12,6 +12,7 @@
 #include <cuda_fp8.h>
 
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/cuda_utils.cuh"
 #include "backends/cuda/kernels/moe_align.cuh"
 #include "backends/cuda/kernels/moe_gemm.cuh"
 
@@ -19,14 +20,6 @@ namespace moelora::cuda {
 namespace {
 
 constexpr int kWarps = 4;
-
-__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
-__device__ __forceinline__ float bf16_to_float(bf16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 __device__ __forceinline__ float e4m3_to_float(uint8_t b) {
   __nv_fp8_e4m3 v;
