@@ -12,7 +12,9 @@
 //   v3: v2 with each LoRA half as one fused shrink+expand launch (moe_lora_fused)
 //   v4: v3 with the LoRA kernels on the main stream (PDL chain, no events)
 // plus a sweep of the GEMM tile (8/16/32/64 tokens) x FP8 regime (W8A16 / W8A8) at the larger
-// batches. `dev_moe_bench regimes` runs only the checks, that sweep and the prefill shapes.
+// batches. `dev_moe_bench regimes` runs only the checks, that sweep and the prefill shapes;
+// `dev_moe_bench nvfp4` the same layer with NVFP4 experts (the 4-bit mma.sync variant) against
+// the CPU reference, its own 4-bit floor and the FP8 layer.
 #include <cstdio>
 #include <cstdlib>
 #include <set>
@@ -67,9 +69,10 @@ struct Bench {
   cudaStream_t side;
   cudaEvent_t ev[4];
 
-  void init(int ncopies) {
+  void init(int ncopies, bool nvfp4 = false) {
     hex.shape = shape;
-    hex.fp8 = true;
+    hex.fp8 = !nvfp4;
+    hex.nvfp4 = nvfp4;
     hex.generate(1234);
     FastRng b(99);
     for (int s = 0; s < kSlots; ++s) {
@@ -119,11 +122,15 @@ struct Bench {
     a.router.renormalize = true;  // Qwen3-MoE norm_topk_prob
     a.ids = cp.ids.get();
     a.weights = cp.w.get();
-    a.wtype = MoeWeightType::kFp8;
+    a.wtype = hex.nvfp4 ? MoeWeightType::kNvfp4 : MoeWeightType::kFp8;
     a.w_gate_up = cp.ex.gu.get();
     a.s_gate_up = cp.ex.gu_s.get();
     a.w_down = cp.ex.d.get();
     a.s_down = cp.ex.d_s.get();
+    a.group_scale_gate_up = cp.ex.gu_g.get();
+    a.global_scale_gate_up = cp.ex.gu_gs.get();
+    a.group_scale_down = cp.ex.d_g.get();
+    a.global_scale_down = cp.ex.d_gs.get();
     a.shape = shape;
     a.lora = adapters ? &cp.lora.dev : nullptr;
     a.token_slot = adapters == 1 ? cp.slot1.get() : adapters == 8 ? cp.slot8.get() : nullptr;
@@ -345,6 +352,55 @@ bool split_mode(Bench& b, int ncopies, double bw) {
   return ok;
 }
 
+// `dev_moe_bench nvfp4`: NVFP4 experts (W4A16 on the mma.sync kernels) against the CPU reference
+// at every tile, then timed per tile against their own floor (touched experts' 4-bit codes and
+// e4m3 group scales over the copy bandwidth) and the FP8 layer's default (`b8`), base and LoRA.
+bool nvfp4_mode(Bench& b8, Bench& b4, int ncopies, double bw) {
+  bool ok = true;
+  for (int T : {1, 3, 64})
+    for (int tl = 0; tl < 4; ++tl)
+      for (int adapters : {0, 8}) {
+        Version v = kV2;
+        v.tile = tl;
+        b4.launch(nullptr, 0, T, v, adapters);
+        MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+        const double e = worst_vs_cpu(b4, T, adapters, b4.out_of(0, T));
+        const bool pass = e <= 1e-2;
+        ok &= pass;
+        std::printf("check nvfp4 tile %d %-6s T=%3d: worst row rel err vs CPU %.2e %s\n",
+                    moe_gemm_tile_rows(static_cast<MoeGemmTile>(tl)), adapters ? "8 LoRA" : "base", T, e,
+                    pass ? "ok" : "FAIL");
+      }
+  std::printf("checks %s\n", ok ? "passed" : "FAILED");
+  const double bytes4 = 3.0 * kH * kI * (0.5 + 1.0 / 16.0);  // codes + e4m3 group scales per expert
+  std::printf("\nNVFP4 vs FP8 MoE layer, graph replay, %d copies, median of 30, us; floor4 = touched experts' 4-bit "
+              "bytes / %.0f GB/s\n   T |     D | floor4 | nvfp4 t8 | t16 | t32 | t64 | default (x floor4) | fp8 default | "
+              "nvfp4 8 LoRA | fp8 8 LoRA\n", ncopies, bw);
+  for (int T : kTokens) {
+    double D = 0;
+    for (int c = 0; c < ncopies; ++c) {
+      b4.launch(nullptr, c, T, kV2, 0);
+      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto ids = b4.copies[c].ids.download(static_cast<size_t>(T) * kK);
+      D += static_cast<double>(std::set<int>(ids.begin(), ids.end()).size()) / ncopies;
+    }
+    const double floor4 = D * bytes4 / (bw * 1e3);
+    auto timed = [&](Bench& b, const Version& v, int adapters) {
+      return time_graph_us([&](cudaStream_t s, int c) { b.launch(s, c, T, v, adapters); }, ncopies, 30);
+    };
+    double t[4];
+    for (int tl = 0; tl < 4; ++tl) {
+      Version v = kV2;
+      v.tile = tl;
+      t[tl] = timed(b4, v, 0);
+    }
+    const double d4 = timed(b4, kV2, 0), d8 = timed(b8, kV2, 0);
+    std::printf("%4d | %5.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f (%.2fx) | %6.1f | %6.1f | %6.1f\n", T, D,
+                floor4, t[0], t[1], t[2], t[3], d4, d4 / floor4, d8, timed(b4, kV2, 8), timed(b8, kV2, 8));
+  }
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -370,6 +426,11 @@ int main(int argc, char** argv) {
   b.init(ncopies);
   if (argc > 1 && std::string(argv[1]) == "wgmma") return wgmma_mode(b, ncopies, bw) ? 0 : 1;
   if (argc > 1 && std::string(argv[1]) == "split") return split_mode(b, ncopies, bw) ? 0 : 1;
+  if (argc > 1 && std::string(argv[1]) == "nvfp4") {
+    Bench b4;
+    b4.init(ncopies, /*nvfp4=*/true);
+    return nvfp4_mode(b, b4, ncopies, bw) ? 0 : 1;
+  }
   if (argc > 4 && std::string(argv[1]) == "profile") {
     // `profile T tile act8 [wgmma]`: three eager base launches of one configuration (for ncu);
     // wgmma 0 (default) the mma.sync kernels, 1 the Hopper GEMM.

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backends/cpu/cpu_ops.h"
+#include "backends/cuda_plan/nvfp4_layout.h"
 #include "core/dtype.h"
 #include "core/tensor.h"
 #include "gpukit/device_array.h"
@@ -100,6 +101,40 @@ struct Fp8Weight {
     }
     deq.resize(w.size());
     dequantize_fp8_block(q.data(), out, in, scale.data(), 128, 128, split, deq.data());
+  }
+};
+
+// Random NVFP4 weight [out, in] as a checkpoint holds it: codes (any byte), e4m3 group scales and
+// a global scale per part (rows [0, split) and [split, out) stand for two fused projections with
+// their own weight_scale_2); `deq` is the executable spec's dequantisation. `codes_packed`,
+// `global_rows` are what the CUDA upload makes of it (cuda_plan/nvfp4_layout.h).
+struct Nvfp4Weight {
+  int out = 0, in = 0, split = 0;
+  std::vector<uint8_t> q, scale;  // [out, in / 2], [out, in / 16]
+  float global[2] = {1.0f, 1.0f};
+  std::vector<float> deq;
+  std::vector<uint8_t> codes_packed;
+  std::vector<float> global_rows;  // weight_scale_2 * 2^26 per row
+  void generate(Rng& rng, int out_, int in_, int split_ = 0) {
+    out = out_, in = in_, split = split_;
+    q.resize(static_cast<size_t>(out) * in / 2);
+    for (auto& b : q) b = static_cast<uint8_t>(rng.integer(0, 255));
+    scale.resize(static_cast<size_t>(out) * in / 16);
+    for (auto& s : scale) s = f32_to_fp8e4m3(rng.uniform(16.0f, 64.0f));
+    // Weights of about N(0, 1/sqrt(in))'s size (|e2m1| averages ~2.3).
+    for (float& g : global) g = rng.uniform(0.75f, 1.25f) / (2.3f * 32.0f * std::sqrt(static_cast<float>(in)));
+    deq.resize(static_cast<size_t>(out) * in);
+    global_rows.resize(out);
+    const int parts[2][2] = {{0, split > 0 ? split : out}, {split > 0 ? split : out, out}};
+    for (int p = 0; p < 2; ++p) {
+      const int r0 = parts[p][0], rows = parts[p][1] - parts[p][0];
+      if (rows <= 0) continue;
+      dequantize_nvfp4(q.data() + static_cast<size_t>(r0) * in / 2, rows, in, scale.data() + static_cast<size_t>(r0) * in / 16,
+                       global[p], deq.data() + static_cast<size_t>(r0) * in);
+      for (int r = r0; r < r0 + rows; ++r) global_rows[r] = global[p] * cuda_plan::kNvfp4GlobalFactor;
+    }
+    codes_packed.resize(q.size());
+    cuda_plan::nvfp4_pack_codes(q.data(), out, in, codes_packed.data());
   }
 };
 

@@ -8,6 +8,7 @@
 #include <map>
 
 #include "backends/cpu/cpu_ops.h"
+#include "backends/cuda_plan/nvfp4_layout.h"
 #include "core/dtype.h"
 #include "core/tensor.h"
 #include "gpukit/dense.h"
@@ -28,7 +29,21 @@ void HostExperts::generate(uint64_t seed) {
   const auto& sh = shape;
   const size_t E = sh.E, H = sh.H, I = sh.I;
   FastRng b(seed);
-  if (fp8) {
+  if (nvfp4) {
+    // Codes: any byte is two valid e2m1 codes. Group scales e4m3 in [16, 64), global scale such that
+    // weights average about 1/sqrt(K) in size (|e2m1| averages ~2.3).
+    auto make = [&](std::vector<uint8_t>& q, std::vector<uint8_t>& g, std::vector<float>& gs, size_t rows, int K,
+                    size_t parts) {
+      q.resize(rows * K / 2);
+      for (auto& x : q) x = static_cast<uint8_t>(b.next());
+      g.resize(rows * K / 16);
+      for (auto& x : g) x = f32_to_fp8e4m3(16.0f + 48.0f * b.uniform());
+      gs.resize(parts);
+      for (auto& x : gs) x = (0.75f + 0.5f * b.uniform()) / (2.3f * 32.0f * std::sqrt(static_cast<float>(K)));
+    };
+    make(gu_q, gu_g, gu_gs, E * 2 * I, sh.H, E * 2);
+    make(d_q, d_g, d_gs, E * H, sh.I, E);
+  } else if (fp8) {
     gu_s.resize(E * 2 * cdiv(sh.I, 128) * cdiv(sh.H, 128));
     d_s.resize(E * cdiv(sh.H, 128) * cdiv(sh.I, 128));
     random_fp8(b, gu_q, gu_s, E * 2 * I, sh.H);
@@ -45,7 +60,15 @@ void HostExperts::generate(uint64_t seed) {
 
 void HostExperts::dequant(int e, float* gu, float* d) const {
   const int H = shape.H, I = shape.I;
-  if (fp8) {
+  if (nvfp4) {  // the executable spec (ops/weight_format.h); gate and up have their own global scales
+    const size_t gu_rows = static_cast<size_t>(e) * 2 * I, d_rows = static_cast<size_t>(e) * H;
+    for (int half = 0; half < 2; ++half) {
+      const size_t r0 = gu_rows + static_cast<size_t>(half) * I;
+      dequantize_nvfp4(gu_q.data() + r0 * H / 2, I, H, gu_g.data() + r0 * H / 16, gu_gs[2 * e + half],
+                       gu + static_cast<size_t>(half) * I * H);
+    }
+    dequantize_nvfp4(d_q.data() + d_rows * I / 2, H, I, d_g.data() + d_rows * I / 16, d_gs[e], d);
+  } else if (fp8) {
     const int hb = cdiv(H, 128), ib = cdiv(I, 128);
     // gate_up: split_rows = I within the expert, its own 2*ceil(I/128) scale rows.
     dequantize_fp8_block(gu_q.data() + static_cast<size_t>(e) * 2 * I * H, 2 * I, H,
@@ -59,7 +82,22 @@ void HostExperts::dequant(int e, float* gu, float* d) const {
 }
 
 void DeviceExperts::upload(const HostExperts& h) {
-  if (h.fp8) {
+  if (h.nvfp4) {  // as CudaBackend::upload_nvfp4_experts packs a checkpoint's experts
+    const auto& s = h.shape;
+    auto pack = [](const std::vector<uint8_t>& q, const std::vector<uint8_t>& g, const std::vector<float>& gs,
+                   int64_t rows, int K, DeviceArray<uint8_t>& dq, DeviceArray<uint8_t>& dg, DeviceArray<float>& dgs) {
+      std::vector<uint8_t> pq(q.size()), pg(g.size());
+      cuda_plan::nvfp4_pack_codes(q.data(), rows, K, pq.data());
+      cuda_plan::nvfp4_pack_scales(g.data(), rows, K, pg.data());
+      std::vector<float> f(gs);
+      for (auto& x : f) x *= cuda_plan::kNvfp4GlobalFactor;
+      dq = DeviceArray<uint8_t>(pq);
+      dg = DeviceArray<uint8_t>(pg);
+      dgs = DeviceArray<float>(f);
+    };
+    pack(h.gu_q, h.gu_g, h.gu_gs, static_cast<int64_t>(s.E) * 2 * s.I, s.H, gu, gu_g, gu_gs);
+    pack(h.d_q, h.d_g, h.d_gs, static_cast<int64_t>(s.E) * s.H, s.I, d, d_g, d_gs);
+  } else if (h.fp8) {
     gu = DeviceArray<uint8_t>(h.gu_q);
     d = DeviceArray<uint8_t>(h.d_q);
     gu_s = DeviceArray<float>(h.gu_s);

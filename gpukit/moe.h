@@ -19,19 +19,27 @@ namespace moelora::gpukit {
 struct HostExperts {
   cuda::MoeShape shape;
   bool fp8 = true;
-  std::vector<uint8_t> gu_q, d_q;   // fp8 codes [E*2I, H], [E*H, I]
+  bool nvfp4 = false;               // NVFP4 experts (then fp8 is false)
+  std::vector<uint8_t> gu_q, d_q;   // fp8 codes [E*2I, H], [E*H, I]; NVFP4: [E*2I, H/2], [E*H, I/2]
   std::vector<float> gu_s, d_s;     // [E*2*ceil(I/128), ceil(H/128)], [E*ceil(H/128), ceil(I/128)]
-  std::vector<uint16_t> gu_b, d_b;  // bf16 weights (when !fp8)
+  std::vector<uint16_t> gu_b, d_b;  // bf16 weights (when neither)
+  // NVFP4, as a checkpoint holds them: e4m3 group scales [rows, K/16], global scales per expert
+  // and part (gate, up) / per expert.
+  std::vector<uint8_t> gu_g, d_g;
+  std::vector<float> gu_gs, d_gs;
 
-  // FP8: random_fp8 codes and scales; bf16: N(0, 1/sqrt(K)) (FastRng, from `seed`).
+  // FP8: random_fp8 codes and scales; NVFP4: random codes, group scales and global scales with
+  // weights of about N(0, 1/sqrt(K))'s size; bf16: N(0, 1/sqrt(K)) (FastRng, from `seed`).
   void generate(uint64_t seed);
   // Exact f32 copies of expert e: gu [2I, H], d [H, I].
   void dequant(int e, float* gu, float* d) const;
 };
 
 struct DeviceExperts {
-  DeviceArray<uint8_t> gu, d;  // FP8 codes, or the bf16 weights' bytes
+  DeviceArray<uint8_t> gu, d;  // FP8 codes, NVFP4 codes in the kernels' order, or the bf16 weights' bytes
   DeviceArray<float> gu_s, d_s;
+  DeviceArray<uint8_t> gu_g, d_g;     // NVFP4 group scales in the kernels' order (cuda_plan/nvfp4_layout.h)
+  DeviceArray<float> gu_gs, d_gs;     // NVFP4 global scales * 2^26
   void upload(const HostExperts& h);
 };
 

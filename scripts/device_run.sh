@@ -16,6 +16,9 @@
 #   split    the wgmma MoE op-suite cases and `dev_moe_bench split` (e4m3 x e4m3 wgmmas: W8A16 with
 #            split-form activations, W8A8) against the CPU and the other kernels, timed
 #   moeops   the MoE op-suite cases only (every kernel of the MoE layer vs the CPU reference)
+#   nvfp4    NVFP4 experts on the 4-bit GEMMs: their op-suite cases, `dev_moe_bench nvfp4` (CPU
+#            checks, per-tile times vs the 4-bit floor and the FP8 layer) and `bench` of the
+#            NVFP4 Qwen3-30B-A3B config against the FP8 one (decode step, 1 and 64 tokens)
 #   moefull  the whole MoE workbench (every table of bench/RESULTS.md's MoE section)
 #   sampler  the sampling op tests and the sampler workbench (cluster size x rows x logits)
 #   attn     the attention op tests, memcheck and racecheck on their sanitize cases, the attention
@@ -164,6 +167,17 @@ for stage in $stages; do
     echo "== MoE workbench (split)"
     timeout 300 ./.device/dev_moe_bench split > $out/moe_bench_split.log 2>&1; echo "exit $?"
     grep -v "^T=" $out/moe_bench_split.log ;;
+  nvfp4)
+    echo "== NVFP4 MoE: op suite, workbench, decode step"
+    timeout 200 ./.device/moelora_op_suite --gtest_brief=1 --gtest_filter='Moe*nvfp4*:*Dense*nvfp4*:DenseNvfp4Decode.*' > $out/nvfp4_ops.log 2>&1
+    echo "ops exit $?"; grep -E "FAILED|PASSED|Failure" $out/nvfp4_ops.log | head -30; tail -3 $out/nvfp4_ops.log
+    timeout 240 ./.device/dev_moe_bench nvfp4 > $out/nvfp4_moe_bench.log 2>&1
+    echo "moe_bench exit $?"; grep -v "^check.* ok$" $out/nvfp4_moe_bench.log
+    rec=$out/bench_records.jsonl
+    for cfg in bench/configs/qwen3-30b-a3b-nvfp4.json bench/configs/qwen3-30b-a3b-fp8.json; do
+      timeout 150 $bin bench --config $cfg --backend cuda --batch 1,64 --adapters 0,8 --rank 16 --iters 8 --json $rec
+    done > $out/nvfp4_bench.log 2>&1
+    grep -v "^\[" $out/nvfp4_bench.log ;;
   moeops)
     echo "== op suite, MoE cases"
     timeout 300 ./.device/moelora_op_suite --gtest_brief=1 --gtest_filter='Moe*' > $out/op_suite_moe.log 2>&1; echo "exit $?"

@@ -99,8 +99,9 @@ RandomAdapters make_adapters(const ModelConfig& c, Backend& b, int slots, int ra
 
 // Bytes a decode step must read at least (docs/floors.md, with our LoRA layout).
 double floor_bytes(const ModelConfig& c, const KvShape& kv, int B, int N, int rank, int context) {
-  // What the device holds: FP8 stays FP8; NVFP4 is served as bf16 until its 4-bit kernels exist.
-  const double wbytes = c.weight_format.is_fp8() ? c.weight_format.bytes_per_weight() : 2.0;
+  // What the device holds: FP8 stays FP8 and NVFP4 4-bit (codes and group scales: the CUDA kernels
+  // take every bench config's shapes); the lm_head (never quantised by the exports) bf16.
+  const double wbytes = c.weight_format.is_dense() ? 2.0 : c.weight_format.bytes_per_weight();
   const double H = c.hidden_size, E = c.num_experts, k = c.top_k, I = c.moe_intermediate_size;
   auto distinct = [&](double tokens) { return E * (1.0 - std::pow(1.0 - k / E, tokens)); };
   double total = 2.0 * c.vocab_size * H;  // bf16 lm_head

@@ -14,6 +14,8 @@ void fuse(Backend& b, LinearWeight& fused, std::initializer_list<LinearWeight*> 
   for (LinearWeight* p : parts) {
     p->w = Tensor();
     p->scale_inv = Tensor();
+    p->group_scale = Tensor();
+    p->global_scale = Tensor();
   }
 }
 

@@ -9,15 +9,18 @@ Result<std::unique_ptr<Model>> Model::random(const ModelConfig& cfg, Backend& b,
   std::unique_ptr<Model> m(new Model(cfg, "(random weights)", b));
   MOELORA_RETURN_IF_ERROR(m->choose_mla_form(opts));
   MOELORA_RETURN_IF_ERROR(b.check_model_shapes(m->shapes()));
-  // FP8 configs get random FP8 codes with block scales on devices that keep FP8; everything else
-  // (NVFP4 included, which the CUDA backend serves as bf16 today) gets dense weights.
+  // FP8 configs get random FP8 codes with block scales on devices that keep FP8; NVFP4 configs get
+  // 4-bit weights where the backend keeps them (Backend::random_experts / random_linear: CUDA) and
+  // dense weights elsewhere, as a loaded NVFP4 checkpoint would; everything else gets dense weights.
   const bool fp8 = cfg.weight_format.is_fp8() && b.device() != Device::kCpu;
   const DType act = b.act_dtype();
   const DType dense = b.device() == Device::kCpu ? DType::kF32 : DType::kBF16;
   uint64_t s = seed;
   const int bo = fp8 ? cfg.weight_format.block_out : 128, bi = fp8 ? cfg.weight_format.block_in : 128;
   auto blocks = [](int64_t n, int b) { return (n + b - 1) / b; };
-  auto linear = [&](int64_t out, int64_t in, int64_t row_blocks = -1, int split = 0) {
+  // `packed_4bit`: the backend's 4-bit dense form may serve (not for experts, whose 4-bit layout
+  // is random_experts' own).
+  auto linear = [&](int64_t out, int64_t in, int64_t row_blocks = -1, int split = 0, bool packed_4bit = true) {
     LinearWeight w;
     w.out = static_cast<int>(out);
     w.in = static_cast<int>(in);
@@ -30,7 +33,17 @@ Result<std::unique_ptr<Model>> Model::random(const ModelConfig& cfg, Backend& b,
       w.scale_inv = b.random_tensor(DType::kF32, {row_blocks >= 0 ? row_blocks : blocks(out, bo), blocks(in, bi)}, ++s,
                                     1e-4f);
     } else {
-      w.w = b.random_tensor(dense, {out, in}, ++s, 0.02f);
+      // NVFP4 where the backend keeps it 4-bit (its own seed stream: the dense seeds stay put).
+      LinearWeight f = packed_4bit ? b.random_linear(static_cast<int>(out), static_cast<int>(in), cfg.weight_format,
+                                                     (s + 1) ^ 0x5851f42d4c957f2dull)
+                                   : LinearWeight();
+      ++s;
+      if (f.defined()) {
+        f.block_out = bo;
+        f.block_in = bi;
+        return f;
+      }
+      w.w = b.random_tensor(dense, {out, in}, s, 0.02f);
     }
     return w;
   };
@@ -82,12 +95,16 @@ Result<std::unique_ptr<Model>> Model::random(const ModelConfig& cfg, Backend& b,
     lw.router.in = H;
     if (cfg.router == RouterKind::kSigmoidGroupTopK) lw.router_bias = b.random_tensor(DType::kF32, {E}, ++s, 0.01f);
     ExpertWeights& x = lw.experts;
-    x.num_experts = static_cast<int>(E);
-    x.hidden = H;
-    x.intermediate = static_cast<int>(I);
-    // Same packing as Backend::upload_experts: per expert gate then up rows, halves blocked apart.
-    x.gate_up = linear(E * 2 * I, H, E * 2 * blocks(I, bo), static_cast<int>(I));
-    x.down = linear(E * H, I, E * blocks(H, bo));
+    // (A seed stream of its own: the dense path's seeds stay what they were.)
+    x = b.random_experts(static_cast<int>(E), H, static_cast<int>(I), cfg.weight_format, s ^ 0x9e3779b97f4a7c15ull);
+    if (x.num_experts == 0) {
+      x.num_experts = static_cast<int>(E);
+      x.hidden = H;
+      x.intermediate = static_cast<int>(I);
+      // Same packing as Backend::upload_experts: per expert gate then up rows, halves blocked apart.
+      x.gate_up = linear(E * 2 * I, H, E * 2 * blocks(I, bo), static_cast<int>(I), /*packed_4bit=*/false);
+      x.down = linear(E * H, I, E * blocks(H, bo), 0, /*packed_4bit=*/false);
+    }
     if (cfg.n_shared_experts > 0) {
       const int64_t si = I * cfg.n_shared_experts;
       lw.has_shared = true;

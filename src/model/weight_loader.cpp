@@ -42,7 +42,7 @@ struct Loader {
                             const std::vector<StoredWeight>& d) {
     if (!sizing) return backend.upload_experts(g, u, d);
     for (const auto* part : {&g, &u, &d})
-      for (const StoredWeight& w : *part) *sizing += backend.linear_bytes(w);
+      for (const StoredWeight& w : *part) *sizing += backend.expert_part_bytes(w);
     return ExpertWeights();
   }
 

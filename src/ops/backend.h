@@ -54,10 +54,24 @@ class Backend {
   // counts them with the weights, so a model that only just fits is refused at load instead of
   // failing an allocation in its first step. Default: none.
   virtual size_t derived_weight_bytes(const ModelShapes&) const { return 0; }
+  // Bytes upload_experts will hold for one expert part (gate[e], up[e] or down[e]), allocation
+  // granularity not included (the parts are packed together). Default: linear_bytes.
+  virtual size_t expert_part_bytes(const StoredWeight& w) const { return linear_bytes(w); }
   // Routed experts from per-expert checkpoint weights (gate[e], up[e]: [I, H]; down[e]: [H, I]),
   // all of one format.
   virtual ExpertWeights upload_experts(const std::vector<StoredWeight>& gate, const std::vector<StoredWeight>& up,
                                        const std::vector<StoredWeight>& down) = 0;
+  // Random routed experts / a random projection in a form only this backend's kernels read (CUDA:
+  // NVFP4 in its 4-bit layouts), for benchmarks at full size; num_experts == 0 / an undefined
+  // weight when the backend has no such form for `fmt` and these shapes (Model::random then makes
+  // them from random_tensor).
+  virtual LinearWeight random_linear(int /*out*/, int /*in*/, const WeightFormat& /*fmt*/, uint64_t /*seed*/) {
+    return {};
+  }
+  virtual ExpertWeights random_experts(int /*num_experts*/, int /*hidden*/, int /*intermediate*/,
+                                       const WeightFormat& /*fmt*/, uint64_t /*seed*/) {
+    return {};
+  }
   // A new persistent tensor of deterministic pseudo-random values (benchmarks with random
   // weights): floats uniform in [-scale, scale]; F8_E4M3 any finite code (scale ignored).
   virtual Tensor random_tensor(DType dtype, const std::vector<int64_t>& shape, uint64_t seed, float scale) = 0;

@@ -30,6 +30,11 @@ struct LinearWeight {
   // (a fused gate|up whose halves came from two checkpoint tensors): row r uses scale row
   //   r < split ? r / block_out : ceil(split / block_out) + (r - split) / block_out.
   int split_rows = 0;
+  // NVFP4 weights a backend keeps in 4 bits (CUDA's routed experts): w holds the e2m1 codes (U8
+  // [out, in / 2]) and these their scales, all in that backend's kernel order
+  // (backends/cuda_plan/nvfp4_layout.h): e4m3 group scales (U8) and f32 global scales per part.
+  Tensor group_scale;
+  Tensor global_scale;
   bool defined() const { return w.defined(); }
 };
 

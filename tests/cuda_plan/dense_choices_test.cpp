@@ -8,11 +8,26 @@ namespace moelora::cuda_plan {
 namespace {
 
 TEST(DenseChoices, SmallMKernelUpTo32TokensWithFp8WeightsAnd8WithBf16) {
-  EXPECT_EQ(choose_dense_path(1, true), DensePath::kSmallM);
-  EXPECT_EQ(choose_dense_path(32, true), DensePath::kSmallM);
-  EXPECT_EQ(choose_dense_path(33, true), DensePath::kCublasLt);
-  EXPECT_EQ(choose_dense_path(8, false), DensePath::kSmallM);
-  EXPECT_EQ(choose_dense_path(9, false), DensePath::kCublasLt);
+  EXPECT_EQ(choose_dense_path(1, DenseWeights::kFp8), DensePath::kSmallM);
+  EXPECT_EQ(choose_dense_path(32, DenseWeights::kFp8), DensePath::kSmallM);
+  EXPECT_EQ(choose_dense_path(33, DenseWeights::kFp8), DensePath::kCublasLt);
+  EXPECT_EQ(choose_dense_path(8, DenseWeights::kBf16), DensePath::kSmallM);
+  EXPECT_EQ(choose_dense_path(9, DenseWeights::kBf16), DensePath::kCublasLt);
+}
+
+TEST(DenseChoices, Nvfp4DequantisesInBoundedRowChunks) {
+  // DeepSeek-V3 dense gate|up [36864, 7168]: 4680 rows (64 MiB of bf16) per pass, a multiple of 8.
+  EXPECT_EQ(nvfp4_dequant_chunk_rows(36864, 7168), 4680);
+  EXPECT_LE(int64_t{4680} * 7168 * 2, kNvfp4DequantChunkBytes);
+  EXPECT_EQ(nvfp4_dequant_chunk_rows(512, 2048), 512);  // small weights in one pass
+  EXPECT_EQ(nvfp4_dequant_chunk_rows(100, 1 << 30), 8);  // at least 8 rows
+}
+
+TEST(DenseChoices, Nvfp4KeepsEveryDecodeBatchOnThe4BitKernel) {
+  // Up to the largest captured decode batch; prefill chunks dequantise into scratch for cuBLASLt.
+  EXPECT_EQ(choose_dense_path(1, DenseWeights::kNvfp4), DensePath::kSmallM);
+  EXPECT_EQ(choose_dense_path(256, DenseWeights::kNvfp4), DensePath::kSmallM);
+  EXPECT_EQ(choose_dense_path(257, DenseWeights::kNvfp4), DensePath::kCublasLt);
 }
 
 TEST(DenseChoices, SmallMTilingCoversMWithFewestTokenTilesAndSplitsKOver8Warps) {

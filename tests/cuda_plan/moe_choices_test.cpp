@@ -109,6 +109,20 @@ TEST(MoeChoices, TheSplitFormWgmmaGemmFromTwoTokensToTwentyFourPerExpert) {
   EXPECT_TRUE(moe_wgmma_shape_ok(7168, 2048));  // DeepSeek-V3
 }
 
+TEST(MoeChoices, Nvfp4ExpertsRunTheMmaSyncKernelsOnly) {
+  // The 4-bit variant exists for the mma.sync kernels alone: never wgmma, W8A8 or the split form,
+  // whatever the batch or the operator's W8A8 permission; the tile as for other experts.
+  for (int T : {1, 8, 64, 128, 256, 8192}) {
+    MoeProblem p{.T = T, .k = 8, .E = 128, .H = 2048, .I = 768};
+    p.fp8_experts = false;
+    p.nvfp4_experts = true;
+    p.allow_fp8_activations = true;
+    const MoeTuning t = choose_moe_tuning(p);
+    EXPECT_FALSE(t.wgmma || t.act_fp8 || t.act_split || t.generic) << T;
+    EXPECT_EQ(t.tile, choose_moe_gemm_tile(T, 8, 128, 2048, 768)) << T;
+  }
+}
+
 TEST(MoeChoices, ShapesNoTensorCoreTileTakesRunTheGenericGemmsInBf16) {
   // H or I a multiple of 16 but not of 64 (e.g. moe_intermediate_size 96): the generic kernels,
   // whatever the batch, and never W8A8, split form or wgmma, which they do not implement.

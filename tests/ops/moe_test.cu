@@ -25,6 +25,7 @@ enum SlotPattern { kSlotRandom, kSlotOne, kSlotDistinct, kSlotNone, kSlotInvalid
 struct MoeCase {
   int T = 1, E = 8, k = 2, H = 128, I = 192;
   bool fp8 = true;
+  bool nvfp4 = false;             // NVFP4 experts (fp8 ignored): the 4-bit mma.sync variant
   Route route = kRandom;
   bool grouped = false;
   int n_group = 1, topk_group = 1;
@@ -44,7 +45,7 @@ struct MoeCase {
   std::string name() const {
     std::string n = slots ? "MOE_LORA(" : "MOE(";
     n += "E=" + std::to_string(E) + ",k=" + std::to_string(k) + ",T=" + std::to_string(T) + ",H=" + std::to_string(H) +
-         ",I=" + std::to_string(I) + (fp8 ? ",fp8" : ",bf16");
+         ",I=" + std::to_string(I) + (nvfp4 ? ",nvfp4" : fp8 ? ",fp8" : ",bf16");
     const char* routes[] = {"", ",one_expert", ",half_empty", ",ties", ",sentinel_ids"};
     n += routes[route];
     if (grouped) n += ",groups=" + std::to_string(n_group) + "/" + std::to_string(topk_group);
@@ -93,7 +94,8 @@ struct Harness {
     shape = {std::max(c.T, 1), c.k, c.E, c.H, c.I, /*fp8_activations=*/c.fp8,
              /*fp8_split=*/c.fp8};  // cases force either regime
     ex.shape = shape;
-    ex.fp8 = c.fp8;
+    ex.fp8 = c.fp8 && !c.nvfp4;
+    ex.nvfp4 = c.nvfp4;
     ex.generate(seed_of(c.name()) ^ 0x5eedull);
     dex.upload(ex);
     FastRng b(seed_of(c.name()) ^ 0x10a4ull);
@@ -186,11 +188,17 @@ struct Harness {
     a.router.scaling = c.scaling;
     a.ids = d_ids.get();
     a.weights = d_w.get();
-    a.wtype = c.fp8 ? cuda::MoeWeightType::kFp8 : cuda::MoeWeightType::kBf16;
+    a.wtype = c.nvfp4 ? cuda::MoeWeightType::kNvfp4 : c.fp8 ? cuda::MoeWeightType::kFp8 : cuda::MoeWeightType::kBf16;
     a.w_gate_up = dex.gu.get();
-    a.s_gate_up = c.fp8 ? dex.gu_s.get() : nullptr;
+    a.s_gate_up = ex.fp8 ? dex.gu_s.get() : nullptr;
     a.w_down = dex.d.get();
-    a.s_down = c.fp8 ? dex.d_s.get() : nullptr;
+    a.s_down = ex.fp8 ? dex.d_s.get() : nullptr;
+    if (c.nvfp4) {
+      a.group_scale_gate_up = dex.gu_g.get();
+      a.global_scale_gate_up = dex.gu_gs.get();
+      a.group_scale_down = dex.d_g.get();
+      a.global_scale_down = dex.d_gs.get();
+    }
     a.shape = shape;
     a.lora = c.slots ? &dlora.dev : nullptr;
     a.token_slot = c.slots ? d_slot.get() : nullptr;
@@ -245,7 +253,7 @@ struct Harness {
       if (s >= c.slots) s = -1;  // the GPU treats out-of-range slots as base-only
     auto dl = [](const void* p, size_t n) { return from_bf16(download(static_cast<const uint16_t*>(p), n)); };
     const auto act = dl(ws.act, P * I);
-    const bool w8a8 = c.fp8 && args().tuning->act_fp8;  // the regime the GPU ran
+    const bool w8a8 = ex.fp8 && args().tuning->act_fp8;  // the regime the GPU ran
     const MoeReference ref = moe_reference(ex, x, T, ids, w, c.slots ? &ref_slot : nullptr,
                                            c.slots ? &lora : nullptr, &act, w8a8);
     const auto out = from_bf16(d_out.download());
@@ -470,6 +478,32 @@ std::vector<MoeCase> moe_cases() {
   v.push_back(with_lora(base(24, 8, 2, 208, 144), 4, {1, 16, 128, 5}));
   { MoeCase c = with_lora(base(16, 8, 2, 80, 96), 3, {16, 8}); c.fp8 = false; v.push_back(c); }
   { MoeCase c = with_lora(base(16, 12, 4, 256, 96), 4, {16, 4}); c.graph = true; v.push_back(c); }
+  // NVFP4 experts (W4A16 on the mma.sync kernels; cuda_plan/nvfp4_layout.h): every tile with
+  // partial and padded tiles, the fixture sizes at 0..13 tokens, every route, LoRA with mixed ranks
+  // and base-only tokens, DeepSeek groups, Qwen3 shapes, prefill-sized, graph replay.
+  auto nvfp4 = [](MoeCase c) {
+    c.nvfp4 = true;
+    c.fp8 = false;
+    return c;
+  };
+  for (int t = 0; t < 4; ++t) {
+    MoeCase c = nvfp4(base(100, 8, 2, 256, 128));
+    c.tile = t;
+    v.push_back(c);
+  }
+  for (int T : {0, 1, 5, 13}) v.push_back(nvfp4(base(T, T == 13 ? 8 : 4, 2, 128, 192)));
+  { MoeCase c = nvfp4(base(40, 8, 2, 128, 192)); c.route = kOneExpert; c.tile = 3; v.push_back(c); }
+  { MoeCase c = nvfp4(base(19, 8, 2, 128, 192)); c.route = kSentinel; v.push_back(c); }
+  { MoeCase c = nvfp4(base(24, 8, 2, 128, 192)); c.route = kHalfEmpty; c.tile = 1; v.push_back(c); }
+  { MoeCase c = nvfp4(base(6, 256, 8, 128, 128)); c.grouped = true; c.n_group = 8; c.topk_group = 4; c.scaling = 2.5f;
+    v.push_back(c); }
+  v.push_back(nvfp4(base(1, 128, 8, 2048, 768)));
+  v.push_back(nvfp4(base(64, 128, 8, 2048, 768)));
+  v.push_back(nvfp4(base(512, 8, 2, 256, 256)));
+  v.push_back(nvfp4(with_lora(base(24, 8, 2, 128, 192), 4, {1, 16, 128, 5})));
+  v.push_back(nvfp4(with_lora(base(40, 128, 8, 2048, 768), 8, {16, 64})));
+  { MoeCase c = nvfp4(with_lora(base(16, 8, 2, 128, 192), 4, {16, 1, 128})); c.graph = true; v.push_back(c); }
+  { MoeCase c = nvfp4(base(2, 128, 8, 256, 128)); c.graph = true; v.push_back(c); }
   // The fused LoRA kernel (shrink + expand in one launch) on the LoRA families above.
   std::vector<MoeCase> fused;
   for (const MoeCase& c : v)
@@ -505,6 +539,9 @@ std::vector<MoeCase> moe_sanitize_cases() {
   { MoeCase c = with_lora(base(21, 8, 2, 256, 128), 3, {16}); c.wgmma = 1; c.split = 1; c.tile = 1; v.push_back(c); }
   { MoeCase c = base(9, 8, 2, 128, 256); c.route = kSentinel; c.wgmma = 1; c.act8 = 1; c.tile = 0; v.push_back(c); }
   { MoeCase c = with_lora(base(7, 8, 2, 80, 48), 3, {1, 16}); v.push_back(c); }  // the generic GEMMs
+  { MoeCase c = with_lora(base(9, 8, 2, 128, 192), 3, {1, 16}); c.nvfp4 = true; c.fp8 = false; c.route = kSentinel;
+    v.push_back(c); }  // NVFP4
+  { MoeCase c = base(40, 8, 2, 128, 192); c.nvfp4 = true; c.fp8 = false; c.tile = 3; v.push_back(c); }
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(MoeSanitize, MoeLayer, ::testing::ValuesIn(moe_sanitize_cases()), moe_test_name);

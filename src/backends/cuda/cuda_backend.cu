@@ -19,6 +19,8 @@
 #include "backends/cuda/kernels/moe_gemm.cuh"
 #include "backends/cuda/kernels/moe_lora.cuh"
 #include "backends/cuda/kernels/random_fill.cuh"
+#include "backends/cuda_plan/moe_choices.h"
+#include "backends/cuda_plan/nvfp4_layout.h"
 #include "backends/cuda_plan/shape_limits.h"
 
 namespace moelora {
@@ -99,11 +101,29 @@ Tensor CudaBackend::upload(const Tensor& host, DType dtype) {
   return out;
 }
 
-// FP8 stays FP8 (the kernels read it with its block scales); dense weights become bf16. NVFP4 has no
-// 4-bit kernel on this backend yet: it is dequantised on the host (e2m1 x e4m3 x global, f32) and
-// served as bf16, exact to one bf16 rounding but at 16-bit bandwidth (docs/gpu.md).
+// FP8 stays FP8 (the kernels read it with its block scales); dense weights become bf16. NVFP4
+// routed experts stay 4-bit where the grouped GEMMs' 4-bit layout takes their shape
+// (keeps_nvfp4_experts); every other NVFP4 weight is dequantised on the host (e2m1 x e4m3 x
+// global, f32) and served as bf16: exact to one bf16 rounding, at 16-bit bandwidth (docs/gpu.md).
 namespace {
 Tensor dense_source(const StoredWeight& w) { return w.format.is_nvfp4() ? dequantize_to_f32(w) : w.data; }
+
+// An expert part (gate [I, H], up [I, H] or down [H, I]) of NVFP4 experts the 4-bit MoE GEMMs take:
+// both H and I in whole 64-wide chunks (the layout's 16-row tiles follow).
+bool keeps_nvfp4_experts(const StoredWeight& w) {
+  return w.format.is_nvfp4() && w.format.block_in == cuda_plan::kNvfp4Group && cuda_plan::moe_mma_shape_ok(w.in, w.out);
+}
+
+// Bytes of the 4-bit form of one part: codes, group scales, one global scale.
+size_t nvfp4_expert_part_bytes(const StoredWeight& w) {
+  const size_t n = static_cast<size_t>(w.out) * w.in;
+  return n / 2 + n / cuda_plan::kNvfp4Group + sizeof(float);
+}
+
+// A dense NVFP4 weight the small-M kernel takes 4-bit (its lanes read 32-value runs of a row).
+bool keeps_nvfp4_linear(const StoredWeight& w) {
+  return w.format.is_nvfp4() && w.format.block_in == cuda_plan::kNvfp4Group && w.in % 32 == 0;
+}
 }  // namespace
 
 size_t CudaBackend::upload_bytes(DType dtype, int64_t numel) const {
@@ -113,6 +133,10 @@ size_t CudaBackend::upload_bytes(DType dtype, int64_t numel) const {
 }
 
 // Absorbed MLA's kv_b copies (mla_absorbed_weights), made in the first step.
+size_t CudaBackend::expert_part_bytes(const StoredWeight& w) const {
+  return keeps_nvfp4_experts(w) ? nvfp4_expert_part_bytes(w) : linear_bytes(w);
+}
+
 size_t CudaBackend::derived_weight_bytes(const ModelShapes& s) const {
   if (s.kv_lora_rank <= 0 || !s.mla_absorbed) return 0;
   return cuda_plan::mla_absorbed_weight_bytes(s.num_layers, s.heads, s.k_head_dim - s.rope_dim, s.v_head_dim,
@@ -121,6 +145,9 @@ size_t CudaBackend::derived_weight_bytes(const ModelShapes& s) const {
 
 size_t CudaBackend::linear_bytes(const StoredWeight& w) const {
   const int64_t n = int64_t{w.out} * w.in;
+  if (keeps_nvfp4_linear(w))
+    return upload_bytes(DType::kU8, n / 2) + upload_bytes(DType::kU8, n / cuda_plan::kNvfp4Group) +
+           upload_bytes(DType::kF32, w.out);
   if (!w.format.is_fp8()) return upload_bytes(DType::kBF16, n);
   const auto s = w.format.scale_shape(w.out, w.in);
   return upload_bytes(DType::kF8E4M3, n) + upload_bytes(DType::kF32, s[0] * s[1]);
@@ -135,6 +162,22 @@ LinearWeight CudaBackend::upload_linear(const StoredWeight& sw) {
     lw.block_in = sw.format.block_in;
     lw.w = upload(sw.data, DType::kF8E4M3);
     lw.scale_inv = upload(sw.scale, DType::kF32);
+  } else if (keeps_nvfp4_linear(sw)) {
+    // Codes in the kernels' order, group scales as stored ([out, in / 16]), the global scale
+    // times 2^26 on every row (fused parts keep their own).
+    MOELORA_CHECK(sw.data.contiguous() && sw.scale.contiguous());
+    const int64_t n = int64_t{sw.out} * sw.in;
+    std::vector<uint8_t> codes(n / 2);
+    cuda_plan::nvfp4_pack_codes(sw.data.ptr<uint8_t>(), sw.out, sw.in, codes.data());
+    const std::vector<float> global(sw.out, sw.global_scale * cuda_plan::kNvfp4GlobalFactor);
+    lw.w = device_tensor(DType::kU8, {sw.out, sw.in / 2});
+    lw.group_scale = device_tensor(DType::kU8, {n / cuda_plan::kNvfp4Group});
+    lw.global_scale = device_tensor(DType::kF32, {sw.out});
+    MOELORA_CUDA_CHECK(cudaMemcpy(lw.w.data(), codes.data(), codes.size(), cudaMemcpyHostToDevice));
+    MOELORA_CUDA_CHECK(cudaMemcpy(lw.group_scale.data(), sw.scale.data(), n / cuda_plan::kNvfp4Group,
+                                  cudaMemcpyHostToDevice));
+    MOELORA_CUDA_CHECK(cudaMemcpy(lw.global_scale.data(), global.data(), global.size() * sizeof(float),
+                                  cudaMemcpyHostToDevice));
   } else {
     lw.w = upload(dense_source(sw), DType::kBF16);
   }
@@ -147,6 +190,7 @@ LinearWeight CudaBackend::upload_linear(const StoredWeight& sw) {
 LinearWeight CudaBackend::fuse_linear_rows(const std::vector<const LinearWeight*>& parts) {
   if (parts.empty()) return {};
   const DType dt = parts[0]->w.dtype();
+  if (dt == DType::kU8) return fuse_nvfp4_rows(parts);
   const bool fp8 = dt == DType::kF8E4M3;
   if (!fp8 && dt != DType::kBF16) return {};
   for (const LinearWeight* p : parts)
@@ -179,9 +223,38 @@ LinearWeight CudaBackend::fuse_linear_rows(const std::vector<const LinearWeight*
   return f;
 }
 
+// NVFP4 parts (upload_linear's 4-bit form): their rows of codes, group scales and per-row global
+// scales one after the other; no alignment rule, every row carries its own scales.
+LinearWeight CudaBackend::fuse_nvfp4_rows(const std::vector<const LinearWeight*>& parts) {
+  for (const LinearWeight* p : parts)
+    if (p->w.dtype() != DType::kU8 || p->in != parts[0]->in || !p->w.contiguous() || !p->group_scale.defined() ||
+        !p->global_scale.defined() || p->split_rows != 0)
+      return {};
+  LinearWeight f = *parts[0];
+  int64_t rows = 0;
+  for (const LinearWeight* p : parts) rows += p->out;
+  f.out = static_cast<int>(rows);
+  f.split_rows = 0;
+  f.w = device_tensor(DType::kU8, {rows, f.in / 2});
+  f.group_scale = device_tensor(DType::kU8, {rows * (f.in / cuda_plan::kNvfp4Group)});
+  f.global_scale = device_tensor(DType::kF32, {rows});
+  size_t off[3] = {0, 0, 0};
+  for (const LinearWeight* p : parts) {
+    const Tensor* src[3] = {&p->w, &p->group_scale, &p->global_scale};
+    Tensor* dst[3] = {&f.w, &f.group_scale, &f.global_scale};
+    for (int i = 0; i < 3; ++i) {
+      MOELORA_CUDA_CHECK(cudaMemcpy(static_cast<char*>(dst[i]->data()) + off[i], src[i]->data(), src[i]->nbytes(),
+                                    cudaMemcpyDeviceToDevice));
+      off[i] += src[i]->nbytes();
+    }
+  }
+  return f;
+}
+
 ExpertWeights CudaBackend::upload_experts(const std::vector<StoredWeight>& gate_w, const std::vector<StoredWeight>& up_w,
                                           const std::vector<StoredWeight>& down_w) {
   const WeightFormat fmt = gate_w[0].format;
+  if (keeps_nvfp4_experts(gate_w[0])) return upload_nvfp4_experts(gate_w, up_w, down_w);
   const bool fp8 = fmt.is_fp8();
   const int block_out = fp8 ? fmt.block_out : 128, block_in = fp8 ? fmt.block_in : 128;
   std::vector<Tensor> gate, gate_scale, up, up_scale, down, down_scale;
@@ -247,6 +320,52 @@ ExpertWeights CudaBackend::upload_experts(const std::vector<StoredWeight>& gate_
   return ew;
 }
 
+// NVFP4 experts in the grouped GEMMs' 4-bit layout (moe_gemm.cuh "Layouts", cuda_plan/nvfp4_layout.h):
+// expert-major rows (gate then up per expert; down), codes and group scales repacked, the global
+// scales times 2^26 (the kernels' products carry 2^-26) per expert and part.
+ExpertWeights CudaBackend::upload_nvfp4_experts(const std::vector<StoredWeight>& gate_w,
+                                                const std::vector<StoredWeight>& up_w,
+                                                const std::vector<StoredWeight>& down_w) {
+  const int E = static_cast<int>(gate_w.size());
+  const int I = gate_w[0].out, H = gate_w[0].in;
+  auto pack = [&](const std::vector<const std::vector<StoredWeight>*>& parts, int rows, int cols) {
+    const int64_t total = static_cast<int64_t>(E) * static_cast<int64_t>(parts.size()) * rows;
+    const int64_t code_row = cols / 2, scale_row = cols / cuda_plan::kNvfp4Group;
+    std::vector<uint8_t> codes(total * code_row), scales(total * scale_row), packed(total * scale_row);
+    std::vector<float> globals;
+    int64_t r = 0;
+    for (int e = 0; e < E; ++e)
+      for (const auto* part : parts) {
+        const StoredWeight& w = (*part)[e];
+        MOELORA_CHECK(w.out == rows && w.in == cols && w.data.contiguous() && w.scale.contiguous());
+        cuda_plan::nvfp4_pack_codes(w.data.ptr<uint8_t>(), rows, cols, codes.data() + r * code_row);
+        std::memcpy(scales.data() + r * scale_row, w.scale.ptr<uint8_t>(), static_cast<size_t>(rows) * scale_row);
+        globals.push_back(w.global_scale * cuda_plan::kNvfp4GlobalFactor);
+        r += rows;
+      }
+    cuda_plan::nvfp4_pack_scales(scales.data(), total, cols, packed.data());
+    LinearWeight lw;
+    lw.out = static_cast<int>(total);
+    lw.in = cols;
+    lw.w = device_tensor(DType::kU8, {total, code_row});
+    lw.group_scale = device_tensor(DType::kU8, {total * scale_row});
+    lw.global_scale = device_tensor(DType::kF32, {static_cast<int64_t>(globals.size())});
+    MOELORA_CUDA_CHECK(cudaMemcpy(lw.w.data(), codes.data(), codes.size(), cudaMemcpyHostToDevice));
+    MOELORA_CUDA_CHECK(cudaMemcpy(lw.group_scale.data(), packed.data(), packed.size(), cudaMemcpyHostToDevice));
+    MOELORA_CUDA_CHECK(
+        cudaMemcpy(lw.global_scale.data(), globals.data(), globals.size() * sizeof(float), cudaMemcpyHostToDevice));
+    return lw;
+  };
+  ExpertWeights ew;
+  ew.num_experts = E;
+  ew.hidden = H;
+  ew.intermediate = I;
+  ew.gate_up = pack({&gate_w, &up_w}, I, H);
+  ew.gate_up.split_rows = I;
+  ew.down = pack({&down_w}, H, I);
+  return ew;
+}
+
 Tensor CudaBackend::random_tensor(DType dtype, const std::vector<int64_t>& shape, uint64_t seed, float scale) {
   Tensor t = device_tensor(dtype, shape);
   cuda::RandomFillParams p;
@@ -258,11 +377,49 @@ Tensor CudaBackend::random_tensor(DType dtype, const std::vector<int64_t>& shape
     case DType::kF32: p.type = cuda::RandomFillType::kF32; break;
     case DType::kBF16: p.type = cuda::RandomFillType::kBF16; break;
     case DType::kF8E4M3: p.type = cuda::RandomFillType::kFP8; break;
+    case DType::kU8: p.type = cuda::RandomFillType::kFP8; break;  // bytes: any finite e4m3 pattern
     default: MOELORA_CHECK_MSG(false, "random_tensor of {}", dtype_name(dtype));
   }
   cuda::launch_random_fill(p, main_);
   MOELORA_CUDA_CHECK(cudaStreamSynchronize(main_));
   return t;
+}
+
+// NVFP4 experts for `bench --random-weights`: random codes (any byte is two e2m1 codes), random
+// e4m3 group scales (any finite code, up to 448) and global scales that keep weights ~1e-2 like
+// trained ones: |e2m1 * e4m3| <= 2688, times 2^-26 in the kernels, times the stored global.
+// A dense NVFP4 projection in upload_linear's 4-bit form: random codes and e4m3 group scales, a
+// global scale per row keeping weights ~1e-2 (as random_experts).
+LinearWeight CudaBackend::random_linear(int out, int in, const WeightFormat& fmt, uint64_t seed) {
+  if (!fmt.is_nvfp4() || fmt.block_in != cuda_plan::kNvfp4Group || in % 32 != 0) return {};
+  LinearWeight w;
+  w.out = out;
+  w.in = in;
+  w.w = random_tensor(DType::kU8, {out, in / 2}, ++seed, 1.0f);
+  w.group_scale = random_tensor(DType::kU8, {int64_t{out} * (in / cuda_plan::kNvfp4Group)}, ++seed, 1.0f);
+  w.global_scale = random_tensor(DType::kF32, {out}, ++seed, 4e-6f * cuda_plan::kNvfp4GlobalFactor);
+  return w;
+}
+
+ExpertWeights CudaBackend::random_experts(int E, int H, int I, const WeightFormat& fmt, uint64_t seed) {
+  if (!fmt.is_nvfp4() || fmt.block_in != cuda_plan::kNvfp4Group || !cuda_plan::moe_mma_shape_ok(H, I)) return {};
+  auto make = [&](int64_t rows, int64_t cols, int64_t parts) {
+    LinearWeight w;
+    w.out = static_cast<int>(rows);
+    w.in = static_cast<int>(cols);
+    w.w = random_tensor(DType::kU8, {rows, cols / 2}, ++seed, 1.0f);
+    w.group_scale = random_tensor(DType::kU8, {rows * cols / cuda_plan::kNvfp4Group}, ++seed, 1.0f);
+    w.global_scale = random_tensor(DType::kF32, {parts}, ++seed, 4e-6f * cuda_plan::kNvfp4GlobalFactor);
+    return w;
+  };
+  ExpertWeights ew;
+  ew.num_experts = E;
+  ew.hidden = H;
+  ew.intermediate = I;
+  ew.gate_up = make(int64_t{E} * 2 * I, H, int64_t{E} * 2);
+  ew.gate_up.split_rows = I;
+  ew.down = make(int64_t{E} * H, I, E);
+  return ew;
 }
 
 KvLayer CudaBackend::alloc_kv_layer(int num_pages, int page_size, int kv_heads, int k_head_dim, int v_head_dim) {

@@ -62,9 +62,13 @@ class CudaBackend final : public Backend {
   size_t upload_bytes(DType dtype, int64_t numel) const override;
   size_t linear_bytes(const StoredWeight& w) const override;
   size_t derived_weight_bytes(const ModelShapes& shapes) const override;
+  size_t expert_part_bytes(const StoredWeight& w) const override;
   ExpertWeights upload_experts(const std::vector<StoredWeight>& gate, const std::vector<StoredWeight>& up,
                                const std::vector<StoredWeight>& down) override;
   Tensor random_tensor(DType dtype, const std::vector<int64_t>& shape, uint64_t seed, float scale) override;
+  ExpertWeights random_experts(int num_experts, int hidden, int intermediate, const WeightFormat& fmt,
+                               uint64_t seed) override;
+  LinearWeight random_linear(int out, int in, const WeightFormat& fmt, uint64_t seed) override;
   KvLayer alloc_kv_layer(int num_pages, int page_size, int kv_heads, int k_head_dim, int v_head_dim) override;
   DType lora_dtype() const override { return DType::kBF16; }
   LoraModuleTable alloc_lora_table(int num_slots, int in, int out) override;
@@ -127,6 +131,9 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return main_; }
 
  private:
+  LinearWeight fuse_nvfp4_rows(const std::vector<const LinearWeight*>& parts);
+  ExpertWeights upload_nvfp4_experts(const std::vector<StoredWeight>& gate, const std::vector<StoredWeight>& up,
+                                     const std::vector<StoredWeight>& down);
   friend class CudaLoraPlacement;  // commit(): main_, raise_rank_ceiling
   struct StepMeta;  // device copies of the step's token/page arrays
   struct Graphs;    // captured decode graphs (cuda_graphs.cu)

@@ -35,13 +35,20 @@ bf16* act(const Tensor& t) {
 cuda::DenseWeight dense_weight(const LinearWeight& w) {
   cuda::DenseWeight d;
   d.w = w.w.data();
-  d.type = w.w.dtype() == DType::kF8E4M3 ? cuda::WeightType::kFP8E4M3 : cuda::WeightType::kBF16;
+  // upload_linear: FP8 stays F8, NVFP4 kept 4-bit is U8 codes, everything else bf16.
+  d.type = w.w.dtype() == DType::kF8E4M3 ? cuda::WeightType::kFP8E4M3
+           : w.w.dtype() == DType::kU8   ? cuda::WeightType::kNvfp4
+                                         : cuda::WeightType::kBF16;
   d.out = w.out;
   d.in = w.in;
   d.scale_inv = w.scale_inv.defined() ? w.scale_inv.ptr<float>() : nullptr;
   d.block_out = w.block_out;
   d.block_in = w.block_in;
   d.split_rows = w.split_rows;
+  if (d.type == cuda::WeightType::kNvfp4) {
+    d.group_scale = w.group_scale.ptr<uint8_t>();
+    d.global_scale = w.global_scale.ptr<float>();
+  }
   return d;
 }
 
@@ -129,9 +136,12 @@ void CudaBackend::base_linear(const Tensor& x, const LinearWeight& w, Tensor out
   // dense_linear found none and fell back to the small-M kernel, which measured 1.2-1.8x slower
   // there: bench/RESULTS.md, dense projection table, M = 64).
   const bool fp8_lt = a.w.type == cuda::WeightType::kFP8E4M3 &&
-                      cuda_plan::choose_dense_path(M, true) == cuda_plan::DensePath::kCublasLt;
-  if (fp8_lt) {
-    scratch.bytes = cuda::dense_fp8_scratch_bytes(M, w.in);
+                      cuda_plan::choose_dense_path(M, cuda_plan::DenseWeights::kFp8) == cuda_plan::DensePath::kCublasLt;
+  // NVFP4 beyond the small-M range: the weight dequantised to bf16 for cuBLASLt.
+  const bool nvfp4_lt = a.w.type == cuda::WeightType::kNvfp4 &&
+                        cuda_plan::choose_dense_path(M, cuda_plan::DenseWeights::kNvfp4) == cuda_plan::DensePath::kCublasLt;
+  if (fp8_lt || nvfp4_lt) {
+    scratch.bytes = fp8_lt ? cuda::dense_fp8_scratch_bytes(M, w.in) : cuda::dense_nvfp4_scratch_bytes(w.out, w.in);
     scratch.ptr = arena_alloc(scratch.bytes);
   }
   cuda::dense_linear(*dense_, a, scratch, main_);
@@ -348,11 +358,20 @@ void CudaBackend::moe(const Tensor& x, const Tensor& ids, const Tensor& weights,
   a.ldx = x.ld();
   a.ids = ids.ptr<int32_t>();
   a.weights = weights.ptr<float>();
-  a.wtype = experts.gate_up.w.dtype() == DType::kF8E4M3 ? cuda::MoeWeightType::kFp8 : cuda::MoeWeightType::kBf16;
+  const DType wdt = experts.gate_up.w.dtype();  // upload_experts: F8 FP8, U8 NVFP4 codes, else bf16
+  a.wtype = wdt == DType::kF8E4M3 ? cuda::MoeWeightType::kFp8
+            : wdt == DType::kU8   ? cuda::MoeWeightType::kNvfp4
+                                  : cuda::MoeWeightType::kBf16;
   a.w_gate_up = experts.gate_up.w.data();
   a.s_gate_up = experts.gate_up.scale_inv.defined() ? experts.gate_up.scale_inv.ptr<float>() : nullptr;
   a.w_down = experts.down.w.data();
   a.s_down = experts.down.scale_inv.defined() ? experts.down.scale_inv.ptr<float>() : nullptr;
+  if (a.wtype == cuda::MoeWeightType::kNvfp4) {
+    a.group_scale_gate_up = experts.gate_up.group_scale.ptr<uint8_t>();
+    a.global_scale_gate_up = experts.gate_up.global_scale.ptr<float>();
+    a.group_scale_down = experts.down.group_scale.ptr<uint8_t>();
+    a.global_scale_down = experts.down.global_scale.ptr<float>();
+  }
   a.shape = {T, static_cast<int>(ids.cols()), experts.num_experts, experts.hidden, experts.intermediate};
   a.out = act(out);
   a.ldo = out.ld();
@@ -459,8 +478,9 @@ const CudaBackend::MlaAbsorbedWeights& CudaBackend::mla_absorbed_weights(const L
   // The copy is made once, outside any capture: a capture cannot allocate (and always follows an
   // eager step of the same shape, which made it).
   MOELORA_CHECK_MSG(mode_ != StepMode::kCapture, "absorbed MLA: kv_b first seen inside a CUDA-graph capture");
-  const bool fp8 = kv_b.w.dtype() == DType::kF8E4M3;
-  MOELORA_CHECK_MSG(fp8 || kv_b.w.dtype() == DType::kBF16, "absorbed MLA: kv_b of {}", dtype_name(kv_b.w.dtype()));
+  const bool fp8 = kv_b.w.dtype() == DType::kF8E4M3, nvfp4 = kv_b.w.dtype() == DType::kU8;
+  MOELORA_CHECK_MSG(fp8 || nvfp4 || kv_b.w.dtype() == DType::kBF16, "absorbed MLA: kv_b of {}",
+                    dtype_name(kv_b.w.dtype()));
   MOELORA_CHECK_MSG(kv_b.w.contiguous() && (!fp8 || kv_b.scale_inv.defined()), "absorbed MLA: kv_b {} {}",
                     kv_b.w.shape_string(), fp8 ? "without its scales" : "");
   const int R = kv_b.in;
@@ -479,8 +499,15 @@ const CudaBackend::MlaAbsorbedWeights& CudaBackend::mla_absorbed_weights(const L
   w.heads = heads, w.nope = nope, w.v_dim = v_dim;
   w.w_uk = bf16_tensor({heads, nope, R});
   w.w_uv_t = bf16_tensor({heads, R, v_dim});
+  // NVFP4 kv_b (kept 4-bit): its bf16 dequantisation, as a bf16 upload would hold it, feeds the
+  // same preparation; freed once the copies exist.
+  Tensor kv_b_bf16;
+  if (nvfp4) {
+    kv_b_bf16 = bf16_tensor({kv_b.out, R});
+    cuda::launch_nvfp4_dequant(dense_weight(kv_b), static_cast<bf16*>(kv_b_bf16.data()), main_);
+  }
   cuda::MlaWeightPrep prep;
-  prep.w = kv_b.w.data();
+  prep.w = nvfp4 ? kv_b_bf16.data() : kv_b.w.data();
   prep.fp8 = fp8;
   prep.scale_inv = fp8 ? kv_b.scale_inv.ptr<float>() : nullptr;
   prep.block_out = kv_b.block_out;
@@ -490,6 +517,7 @@ const CudaBackend::MlaAbsorbedWeights& CudaBackend::mla_absorbed_weights(const L
   prep.w_uk = static_cast<bf16*>(w.w_uk.data());
   prep.w_uv_t = static_cast<bf16*>(w.w_uv_t.data());
   cuda::launch_mla_prepare_weights(prep, main_);
+  if (nvfp4) MOELORA_CUDA_CHECK(cudaStreamSynchronize(main_));  // before kv_b_bf16 is freed
   return mla_weights_.emplace(kv_b.w.data(), std::move(w)).first->second;
 }
 

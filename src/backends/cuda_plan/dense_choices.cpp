@@ -12,13 +12,24 @@ namespace {
 // so our kernel wins longer for FP8.
 constexpr int kFp8SmallMMax = 32;
 constexpr int kBf16SmallMMax = 8;
+// NVFP4: not measured yet (no GPU when it was written). Our kernel reads a quarter of bf16's bytes
+// and the alternative first writes and rereads the whole weight as bf16, so it keeps every decode
+// batch up to the largest captured one (256 tokens: 4 grid rows, whose rereads of a projection's
+// few MB of 4-bit weights hit L2); prefill chunks above that take the bf16 GEMM.
+constexpr int kNvfp4SmallMMax = 256;
 constexpr int kSmallMDesignMax = 64;  // one grid row of 8 token tiles (dense_gemm.cuh)
 constexpr int kKBlock = 128;          // K chunk of the small-M kernel
 constexpr int kMaxWarps = 8;
 }  // namespace
 
-DensePath choose_dense_path(int M, bool fp8_weights) {
-  return M <= (fp8_weights ? kFp8SmallMMax : kBf16SmallMMax) ? DensePath::kSmallM : DensePath::kCublasLt;
+DensePath choose_dense_path(int M, DenseWeights w) {
+  const int small_max = w == DenseWeights::kFp8 ? kFp8SmallMMax : w == DenseWeights::kNvfp4 ? kNvfp4SmallMMax : kBf16SmallMMax;
+  return M <= small_max ? DensePath::kSmallM : DensePath::kCublasLt;
+}
+
+int nvfp4_dequant_chunk_rows(int out, int in) {
+  const int64_t fit = kNvfp4DequantChunkBytes / (2 * static_cast<int64_t>(std::max(in, 1))) / 8 * 8;
+  return static_cast<int>(std::min<int64_t>(std::max(out, 0), std::max<int64_t>(fit, 8)));
 }
 
 DenseSmallMTiling choose_dense_small_m_tiling(int M, int in, int row_groups, int k_warps) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <array>
+#include <cstdint>
 
 namespace moelora::cuda_plan {
 
@@ -12,7 +13,17 @@ enum class DensePath {
   kSmallM,    // our memory-bound small-M kernel (decode)
   kCublasLt,  // cuBLASLt (bf16 GEMM, or FP8 block-scaled after quantising the activations)
 };
-DensePath choose_dense_path(int M, bool fp8_weights);
+// How the weight is stored on the device.
+enum class DenseWeights { kBf16, kFp8, kNvfp4 };
+// For NVFP4, kCublasLt means: the weight dequantised to bf16 in step scratch, then cuBLASLt's bf16
+// GEMM (no FP4 GEMM exists on Hopper).
+DensePath choose_dense_path(int M, DenseWeights w);
+// NVFP4 on the cuBLASLt path: rows of the weight dequantised (and multiplied) per pass, a multiple
+// of 8 (16-byte aligned output columns) whose bf16 copy stays within kNvfp4DequantChunkBytes, so a
+// prefill step's scratch is bounded whatever the projection (DeepSeek-V3's fused dense gate|up
+// would need 528 MB at once).
+inline constexpr int64_t kNvfp4DequantChunkBytes = int64_t{64} << 20;
+int nvfp4_dequant_chunk_rows(int out, int in);
 
 // Tiling of the small-M kernel: `m_tiles` 8-token tiles per block (1, 2, 4 or 8), `row_groups`
 // 16-row weight tiles per block and `k_warps` warps splitting K (row_groups * k_warps <= 8).

@@ -58,6 +58,9 @@ MoeTuning choose_moe_tuning(const MoeProblem& p) {
     return t;
   }
   const double per_expert = static_cast<double>(p.T) * p.k / std::max(p.E, 1);
+  // NVFP4 experts: the W4A16 variant of the mma.sync kernels (moe_gemm.cu), on the tiles chosen
+  // for FP8 above; nothing else reads 4-bit weights. Not yet measured on a GPU.
+  if (p.nvfp4_experts) return t;
   // The Hopper grouped GEMM with e4m3 x e4m3 wgmmas from shared memory, FP8 experts. H200,
   // `dev_moe_bench split` (2026-12-04, base layer at Qwen3-30B-A3B shapes, us; bench/RESULTS.md):
   // best mma.sync W8A16 tile -> wgmma, activations in the split form (W8A16 numerics) on the 8-row

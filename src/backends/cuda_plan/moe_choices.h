@@ -24,7 +24,8 @@ struct MoeProblem {
   bool has_logits = true;  // routing runs in the layer (else ids/weights are given)
   // The operator allows W8A8 for FP8 experts (--moe-fp8-activations); off: W8A16 everywhere.
   bool allow_fp8_activations = false;
-  bool fp8_experts = true;  // FP8 block-scaled experts (else bf16)
+  bool fp8_experts = true;     // FP8 block-scaled experts (else bf16 or NVFP4)
+  bool nvfp4_experts = false;  // NVFP4 experts: the mma.sync kernels' 4-bit variant only
 };
 
 struct MoeTuning {

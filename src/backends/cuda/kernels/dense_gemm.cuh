@@ -1,11 +1,15 @@
-// Dense projections y = x W^T for bf16 activations and FP8 (e4m3, 128x128 block scales) or bf16
-// weights [out, in] (LinearWeight on the GPU).
+// Dense projections y = x W^T for bf16 activations and FP8 (e4m3, 128x128 block scales), NVFP4 or
+// bf16 weights [out, in] (LinearWeight on the GPU).
 //
 // Paths
 // - Small M (decode, M <= kDenseSmallMMax): our memory-bound tensor-core kernel. It reads every
 //   weight byte once, turns FP8 into bf16 in registers (exact), multiplies with the bf16
 //   activations on the tensor cores and applies each 128x128 block scale to the f32 partial sum of
-//   its block: W8A16, no activation quantisation error.
+//   its block: W8A16, no activation quantisation error. NVFP4 (W4A16): each lane's 32-value run of
+//   a K block is two 16-value groups, turned into bf16 times their group scales exactly in
+//   registers (nvfp4_device.cuh); the per-row global scale multiplies the f32 sums.
+// - NVFP4 beyond the small-M range: the weight is dequantised into step scratch as bf16 (exactly
+//   what a bf16 upload of it holds) and multiplied by cuBLASLt's bf16 GEMM.
 // - Large M (prefill): cuBLASLt. FP8 weights: activations quantised per token per 128 channels
 //   (fp8_quant.cuh, scales [K/128][M]) and the block-scaled FP8 GEMM (D^T = W X^T, weight as A with
 //   BLK128x128 scales, activations as B with VEC128 scales). bf16 weights: a bf16 GEMM.
@@ -23,7 +27,7 @@
 
 namespace moelora::cuda {
 
-enum class WeightType : uint8_t { kBF16, kFP8E4M3 };
+enum class WeightType : uint8_t { kBF16, kFP8E4M3, kNvfp4 };
 
 // A projection's weight as the kernels see it (mirrors LinearWeight).
 struct DenseWeight {
@@ -35,6 +39,11 @@ struct DenseWeight {
   int block_out = 128;
   int block_in = 128;  // FP8 paths need 128
   int split_rows = 0;  // see LinearWeight::split_rows
+  // NVFP4: w holds the codes [out, in / 2] in cuda_plan/nvfp4_layout.h's order, group_scale the
+  // e4m3 group scales row-major [out, in / 16], global_scale weight_scale_2 * 2^26 per row [out]
+  // (rows of fused parts keep their part's).
+  const uint8_t* group_scale = nullptr;
+  const float* global_scale = nullptr;
 };
 
 struct DenseArgs {
@@ -70,6 +79,13 @@ struct DenseScratch {
   size_t bytes = 0;
 };
 size_t dense_fp8_scratch_bytes(int max_M, int in);
+// Scratch for an NVFP4 weight dequantised to bf16 (the path above the small-M range): the rows of
+// one pass (cuda_plan::nvfp4_dequant_chunk_rows); a smaller scratch of at least 8 rows works in
+// more passes.
+size_t dense_nvfp4_scratch_bytes(int out, int in);
+// The NVFP4 weight `w` as bf16 [out, in] into `out` (16-byte aligned): e2m1 x e4m3 x global in
+// f32, rounded to bf16 (as the host's dequantisation for a bf16 upload). Graph-safe.
+void launch_nvfp4_dequant(const DenseWeight& w, __nv_bfloat16* out, cudaStream_t stream);
 
 class DenseGemmContext {
  public:
@@ -106,8 +122,9 @@ class DenseGemmContext {
 };
 
 // The dispatcher: our small-M kernel up to M = 32 (FP8) / 8 (bf16), the crossovers measured on
-// the H200; above, FP8 -> quantise the first M - M % 4 tokens into `scratch` + ctx.gemm_fp8 (the
-// last M % 4 tokens through our kernel), bf16 -> ctx.gemm_bf16. Where cuBLASLt declines a shape
+// the H200, and up to cuda_plan's NVFP4 limit; above, FP8 -> quantise the first M - M % 4 tokens
+// into `scratch` + ctx.gemm_fp8 (the last M % 4 tokens through our kernel), bf16 -> ctx.gemm_bf16,
+// NVFP4 -> dequantise into `scratch` + ctx.gemm_bf16. Where cuBLASLt declines a shape
 // (FP8: column blocks not a multiple of 4, odd splits) or `scratch` is too small, our kernel does
 // all M. Graph-safe given ctx and scratch made beforehand.
 void dense_linear(DenseGemmContext& ctx, const DenseArgs& a, DenseScratch scratch, cudaStream_t stream);

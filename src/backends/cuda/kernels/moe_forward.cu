@@ -125,7 +125,8 @@ cuda_plan::MoeTuning moe_tuning(const MoeForwardArgs& a) {
   return cuda_plan::choose_moe_tuning(
       cuda_plan::MoeProblem{.T = a.T, .k = s.k, .E = s.E, .H = s.H, .I = s.I, .has_logits = a.logits != nullptr,
                             .allow_fp8_activations = a.allow_fp8_activations,
-                            .fp8_experts = a.wtype == MoeWeightType::kFp8});
+                            .fp8_experts = a.wtype == MoeWeightType::kFp8,
+                            .nvfp4_experts = a.wtype == MoeWeightType::kNvfp4});
 }
 
 void moe_forward(const MoeForwardArgs& a, const MoeWorkspace& ws, const MoeStreams& st) {
@@ -147,6 +148,8 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
   const cuda_plan::MoeTuning tune = moe_tuning(a);
   const MoeGemmTile tile = tune.tile;
   const bool pdl = tune.pdl;
+  MOELORA_CHECK_MSG(a.wtype != MoeWeightType::kNvfp4 || (!tune.wgmma && !tune.generic),
+                    "NVFP4 experts run on the mma.sync grouped GEMMs only");
   const bool act_fp8 = tune.act_fp8 && a.wtype == MoeWeightType::kFp8;
   MOELORA_CHECK_MSG(!act_fp8 || ws.xq, "W8A8 MoE needs a workspace carved with MoeShape::fp8_activations");
   // W8A16 on the wgmma GEMM with the activations in the split form (two e4m3 terms).
@@ -259,6 +262,8 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
   g.top_k = s.k;
   g.w = a.w_gate_up;
   g.w_scale = a.s_gate_up;
+  g.w_group_scale = a.group_scale_gate_up;
+  g.w_global_scale = a.global_scale_gate_up;
   g.x = a.x;
   g.ldx = a.ldx;
   g.tile_pairs = ws.tile_pairs;
@@ -327,6 +332,8 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
   MoeGemmParams d = g;
   d.w = a.w_down;
   d.w_scale = a.s_down;
+  d.w_group_scale = a.group_scale_down;
+  d.w_global_scale = a.global_scale_down;
   d.x = ws.act;
   d.ldx = s.I;
   d.xq = ws.aq;

@@ -99,6 +99,11 @@ struct MoeForwardArgs {
   const float* s_gate_up = nullptr;
   const void* w_down = nullptr;
   const float* s_down = nullptr;
+  // NVFP4 experts (wtype kNvfp4; mma.sync kernels only): group and global scales of each GEMM.
+  const uint8_t* group_scale_gate_up = nullptr;
+  const float* global_scale_gate_up = nullptr;
+  const uint8_t* group_scale_down = nullptr;
+  const float* global_scale_down = nullptr;
   MoeShape shape;
   // LoRA (null = base only).
   const MoeLoraDevice* lora = nullptr;

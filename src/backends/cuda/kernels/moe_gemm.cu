@@ -20,12 +20,14 @@
 // Fragment mapping (thread lane = 4 g + c): the MMA's k slots {2c, 2c+1, 2c+8, 2c+9} of step s
 // carry real k = 16c + 4s + {0, 1, 2, 3} of the 64-wide chunk. So a thread needs 16 contiguous
 // bytes of an FP8 weight row (or 32 of bf16) and 32 contiguous bytes of a token row per chunk:
-// plain 16-byte shared loads, conflict-free with the row strides below, no ldmatrix.
+// plain 16-byte shared loads, conflict-free with the row strides below, no ldmatrix. NVFP4: the
+// same 16 k are one 8-byte group of packed codes (cuda_plan/nvfp4_layout.h) plus one scale byte.
 #include <algorithm>
 #include <mutex>
 
 #include "backends/cuda/kernels/moe_align.cuh"
 #include "backends/cuda/kernels/moe_gemm.cuh"
+#include "backends/cuda/kernels/nvfp4_device.cuh"
 
 namespace moelora::cuda {
 
@@ -50,6 +52,7 @@ using namespace moe_detail;
 template <MoeWeightType WT_, int MT_, int NT_, int WM_, int WK_, int STAGES_, bool GATE_UP_, bool A8_ = false>
 struct Cfg {
   static constexpr bool kFp8 = WT_ == MoeWeightType::kFp8;
+  static constexpr bool kFp4 = WT_ == MoeWeightType::kNvfp4;
   static constexpr bool kA8 = A8_;  // W8A8: e4m3 token rows + per-token scales, e4m3 MMA
   static_assert(!A8_ || WT_ == MoeWeightType::kFp8, "W8A8 needs FP8 weights");
   static constexpr int MT = MT_, NT = NT_, WM = WM_, WK = WK_, STAGES = STAGES_;
@@ -57,15 +60,19 @@ struct Cfg {
   static constexpr int kThreads = WM * WK * 32;
   static constexpr int kRows = WM * MT * 16;       // weight rows per item
   static constexpr int kBT = NT * 8;               // tokens per tile
-  static constexpr int kESize = kFp8 ? 1 : 2;      // weight bytes per element
-  static constexpr int kWPieces = kFp8 ? 4 : 8;    // 16-byte pieces of a 64-wide weight row chunk
-  static constexpr int kWRow = kFp8 ? 64 : 144;    // smem bytes per weight row (bf16: +16 pad)
+  static constexpr int kChunkBytes = kFp4 ? 32 : kFp8 ? 64 : 128;  // global bytes of a row's 64-wide chunk
+  static constexpr int kWPieces = kChunkBytes / 16;                 // its 16-byte pieces
+  static constexpr int kWRow = kFp4 ? 32 : kFp8 ? 64 : 144;        // smem bytes per weight row (bf16: +16 pad)
+  // NVFP4: the chunk's group scales of the item's rows, [kRows / 16][16][4] as stored (one 16-byte
+  // piece per 4 rows).
+  static constexpr int kWScale = kFp4 ? kRows * 4 : 0;
   // Token rows: bf16 144 bytes (+16 pad); e4m3 64 bytes, unpadded like the FP8 weight rows (a
   // quarter warp's 16-byte reads then cover 8 distinct bank quads).
   static constexpr int kXRow = A8_ ? 64 : 144;
   static constexpr int kXPieces = A8_ ? 4 : 8;     // 16-byte pieces of a 64-wide token row chunk
   static constexpr int kXScale = A8_ ? kBT * 4 : 0;  // the tile's activation scales of the chunk's group
-  static constexpr int kStage = kRows * kWRow + kBT * kXRow + kXScale;
+  static constexpr int kXOff = kRows * kWRow + kWScale;           // token rows within a stage
+  static constexpr int kStage = kXOff + kBT * kXRow + kXScale;
   static constexpr int kGroupThreads = WM * 32;
   static constexpr int kWPer = kRows * kWPieces / kGroupThreads;  // weight pieces per thread per chunk
   static constexpr int kXPer = kBT * kXPieces / kGroupThreads;   // token pieces per thread per chunk
@@ -76,6 +83,7 @@ struct Cfg {
   static_assert(kRows * kWPieces % kGroupThreads == 0 && kBT * kXPieces % kGroupThreads == 0, "piece split");
   static_assert(kBT <= kThreads, "one thread per tile row fills the row tables");
   static_assert(!A8_ || kBT <= kGroupThreads, "one thread of each K group copies a token's scale");
+  static_assert(kWScale / 16 <= kGroupThreads, "one thread of each K group copies a piece of group scales");
   static_assert(kStage % 16 == 0, "16-byte aligned stages");
   static_assert(!GATE_UP_ || (WM * MT) % 2 == 0, "gate and up halves must be whole m16 tiles");
 };
@@ -104,7 +112,7 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
   const int nb_step = C::kGateUp ? half : C::kRows;  // features (gate_up) or rows (down) per item
   const int nblocks = (C::kGateUp ? p.I : p.H) / nb_step;
   const int nchunks = K / 64;
-  const int64_t w_row_bytes = static_cast<int64_t>(K) * C::kESize;
+  const int64_t w_row_bytes = static_cast<int64_t>(K) * C::kChunkBytes / 64;
   const int sblocks_i = (p.I + 127) / 128;
   const int scale_rows_per_expert = C::kGateUp ? 2 * sblocks_i : (p.H + 127) / 128;
   const int scale_cols = (K + 127) / 128;
@@ -169,7 +177,7 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
       const int npf = min(my_chunks, C::STAGES - 1);
       for (int q = lane; q < C::MT * 16 * npf; q += 32) {
         const int r = q / npf, i = q % npf;
-        prefetch_l2(wn + wrow(nn0, (wm * C::MT) * 16 + r) * w_row_bytes + (wk + i * C::WK) * 64 * C::kESize);
+        prefetch_l2(wn + wrow(nn0, (wm * C::MT) * 16 + r) * w_row_bytes + (wk + i * C::WK) * C::kChunkBytes);
       }
     };
 
@@ -193,13 +201,20 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
         xsrc[q] = row >= 0 ? p.xq + row * p.ldxq + pc * 16 : nullptr;
       else
         xsrc[q] = row >= 0 ? reinterpret_cast<const uint8_t*>(p.x + row * p.ldx) + pc * 16 : nullptr;
-      xdst[q] = C::kRows * C::kWRow + m * C::kXRow + pc * 16;
+      xdst[q] = C::kXOff + m * C::kXRow + pc * 16;
     }
     // W8A8: thread gtid < BT copies token gtid's scale of the chunk's 128-channel group.
     const float* xs_src = nullptr;
     if constexpr (C::kA8)
       if (gtid < C::kBT && s_xrow[gtid] >= 0) xs_src = p.xs + static_cast<int64_t>(s_xrow[gtid]) * p.ldxs;
-    constexpr int kXScaleOff = C::kRows * C::kWRow + C::kBT * C::kXRow;
+    constexpr int kXScaleOff = C::kXOff + C::kBT * C::kXRow;
+    // NVFP4: thread gtid < kWScale / 16 copies piece gtid % 4 of m16 tile gtid / 4's group scales.
+    const uint8_t* gs_src = nullptr;
+    if constexpr (C::kFp4)
+      if (gtid < C::kWScale / 16) {
+        const int64_t row = static_cast<int64_t>(expert) * rows_per_expert + wrow(n0, (gtid / 4) * 16);
+        gs_src = p.w_group_scale + (row / 16) * nchunks * 64 + (gtid % 4) * 16;
+      }
     // Scale rows of this warp's m16 tiles (a tile never straddles a 128-row block or gate/up).
     const float* sptr[C::MT];
 #pragma unroll
@@ -223,7 +238,9 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
       const int c = wk + i * C::WK;
       uint8_t* sb = ring + (i % C::STAGES) * C::kStage;
 #pragma unroll
-      for (int q = 0; q < C::kWPer; ++q) cp_async16(sb + wdst[q], wsrc[q] + c * 64 * C::kESize, true);
+      for (int q = 0; q < C::kWPer; ++q) cp_async16(sb + wdst[q], wsrc[q] + c * C::kChunkBytes, true);
+      if constexpr (C::kFp4)
+        if (gs_src) cp_async16(sb + C::kRows * C::kWRow + gtid * 16, gs_src + c * 64, true);
       constexpr int kXChunkBytes = C::kA8 ? 64 : 128;
       const uint8_t* xbase = C::kA8 ? p.xq : reinterpret_cast<const uint8_t*>(p.x);
 #pragma unroll
@@ -253,13 +270,19 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
 #pragma unroll
         for (int mt = 0; mt < C::MT; ++mt) sc[mt] = __ldg(sptr[mt] + (c >> 1));
       }
-      // Weight fragments: words per row (fp8: 4 words = 16 k; bf16: 8 words = 16 k).
-      constexpr int kWW = C::kFp8 ? 4 : 8;
+      // Weight fragments: words per row (fp8: 4 words = 16 k; bf16: 8 words = 16 k; NVFP4: 2).
+      constexpr int kWW = C::kFp4 ? 2 : C::kFp8 ? 4 : 8;
       uint32_t wg[C::MT][kWW], wg8[C::MT][kWW];
 #pragma unroll
       for (int mt = 0; mt < C::MT; ++mt) {
-        const uint8_t* r0 = sb + ((wm * C::MT + mt) * 16 + g) * C::kWRow + c4 * 16 * C::kESize;
+        const uint8_t* r0 = sb + ((wm * C::MT + mt) * 16 + g) * C::kWRow + c4 * (C::kChunkBytes / 4);
         const uint8_t* r8 = r0 + 8 * C::kWRow;
+        if constexpr (C::kFp4) {
+          const uint2 a = *reinterpret_cast<const uint2*>(r0);
+          const uint2 b = *reinterpret_cast<const uint2*>(r8);
+          wg[mt][0] = a.x; wg[mt][1] = a.y;
+          wg8[mt][0] = b.x; wg8[mt][1] = b.y;
+        }
 #pragma unroll
         for (int v = 0; v < kWW / 4; ++v) {
           const uint4 a = *reinterpret_cast<const uint4*>(r0 + v * 16);
@@ -281,7 +304,7 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
         const float* xsc = reinterpret_cast<const float*>(sb + kXScaleOff);
 #pragma unroll
         for (int nt = 0; nt < C::NT; ++nt) {
-          const uint4 xa = *reinterpret_cast<const uint4*>(sb + C::kRows * C::kWRow + (nt * 8 + g) * C::kXRow + c4 * 16);
+          const uint4 xa = *reinterpret_cast<const uint4*>(sb + C::kXOff + (nt * 8 + g) * C::kXRow + c4 * 16);
           const uint32_t xw[4] = {xa.x, xa.y, xa.z, xa.w};
 #pragma unroll
           for (int s = 0; s < 2; ++s)
@@ -298,10 +321,36 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
             acc[mt][nt][3] = fmaf(part[mt][nt][3], sc[mt] * s1, acc[mt][nt][3]);
           }
         }
+      } else if constexpr (C::kFp4) {
+        // W4A16: this lane's rows g and g + 8 of each m16 tile as bf16 MMA registers (its 16 k of the
+        // chunk are one group), once per chunk for every token column block, times the group scale
+        // (exact products; nvfp4_device.cuh).
+        const uint8_t* gsm = sb + C::kRows * C::kWRow;
+        uint32_t ag[C::MT][8], ag8[C::MT][8];  // rows g, g + 8: register 2 st + h = step st's a0 / a2
+#pragma unroll
+        for (int mt = 0; mt < C::MT; ++mt) {
+          const uint8_t* t = gsm + (wm * C::MT + mt) * 64 + c4;
+          const uint32_t s2 = nvfp4_scales_bf16x2(t[g * 4], t[(g + 8) * 4]);
+          nvfp4_group_regs(wg[mt][0], wg[mt][1], bf16x2_dup_lo(s2), ag[mt]);
+          nvfp4_group_regs(wg8[mt][0], wg8[mt][1], bf16x2_dup_hi(s2), ag8[mt]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < C::NT; ++nt) {
+          const uint8_t* xr = sb + C::kXOff + (nt * 8 + g) * C::kXRow + c4 * 32;
+          const uint4 xa = *reinterpret_cast<const uint4*>(xr);
+          const uint4 xb = *reinterpret_cast<const uint4*>(xr + 16);
+          const uint32_t xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+          for (int st = 0; st < 4; ++st)
+#pragma unroll
+            for (int mt = 0; mt < C::MT; ++mt)
+              mma_bf16_16816(acc[mt][nt], ag[mt][2 * st], ag8[mt][2 * st], ag[mt][2 * st + 1], ag8[mt][2 * st + 1],
+                             xw[2 * st], xw[2 * st + 1]);
+        }
       } else {
 #pragma unroll
       for (int nt = 0; nt < C::NT; ++nt) {
-        const uint8_t* xr = sb + C::kRows * C::kWRow + (nt * 8 + g) * C::kXRow + c4 * 32;
+        const uint8_t* xr = sb + C::kXOff + (nt * 8 + g) * C::kXRow + c4 * 32;
         const uint4 xa = *reinterpret_cast<const uint4*>(xr);
         const uint4 xb = *reinterpret_cast<const uint4*>(xr + 16);
         const uint32_t xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
@@ -335,6 +384,17 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
       }  // W8A16 / bf16
     }
     cp_async_wait<0>();
+    if constexpr (C::kFp4) {  // weight_scale_2 * 2^26 of each m16 tile's half (it never straddles one)
+#pragma unroll
+      for (int mt = 0; mt < C::MT; ++mt) {
+        const int r = wrow(n0, (wm * C::MT + mt) * 16);
+        const float gsc = __ldg(p.w_global_scale + (C::kGateUp ? 2 * expert + (r >= p.I ? 1 : 0) : expert));
+#pragma unroll
+        for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[mt][nt][i] *= gsc;
+      }
+    }
     __syncthreads();  // every group is done with its ring: reuse shared memory for the K reduction
 
     float* red = reinterpret_cast<float*>(smem);
@@ -383,10 +443,12 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
 }
 
 // ---- Variants. STAGES: enough 64-wide chunks in flight per SM to cover HBM latency (bf16 rows
-// are twice the bytes, so fewer stages). A8: the W8A8 twin of the FP8 variant (same tiling).
+// are twice the bytes, so fewer stages; NVFP4 rows half, so more: S4 keeps about the FP8 variant's
+// bytes in flight at a similar shared-memory size; not yet tuned on a GPU). A8: the W8A8 twin of
+// the FP8 variant (same tiling).
 template <MoeWeightType W, MoeGemmTile T, bool GU, bool A8>
 struct Variant;
-#define MOE_VARIANT(TILE, MT, NT, WM, WK, S8, S16)                                        \
+#define MOE_VARIANT(TILE, MT, NT, WM, WK, S8, S16, S4)                                    \
   template <bool GU>                                                                    \
   struct Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, GU, false> {                   \
     using C = Cfg<MoeWeightType::kFp8, MT, NT, WM, WK, S8, GU>;                         \
@@ -398,13 +460,17 @@ struct Variant;
   template <bool GU>                                                                    \
   struct Variant<MoeWeightType::kBf16, MoeGemmTile::TILE, GU, false> {                  \
     using C = Cfg<MoeWeightType::kBf16, MT, NT, WM, WK, S16, GU>;                       \
+  };                                                                                    \
+  template <bool GU>                                                                    \
+  struct Variant<MoeWeightType::kNvfp4, MoeGemmTile::TILE, GU, false> {                 \
+    using C = Cfg<MoeWeightType::kNvfp4, MT, NT, WM, WK, S4, GU>;                       \
   };
 // Decode: 4 stages (3 chunks ahead per warp) keep 4 CTAs of the 8-row tile on an SM, whose
 // pipelines cover each other's item boundaries.
-MOE_VARIANT(kDecode8, 2, 1, 1, 4, 4, 3)
-MOE_VARIANT(kDecode16, 2, 2, 1, 4, 4, 3)
-MOE_VARIANT(kDecode32, 2, 4, 1, 4, 3, 3)
-MOE_VARIANT(kPrefill64, 2, 8, 4, 1, 4, 3)
+MOE_VARIANT(kDecode8, 2, 1, 1, 4, 4, 3, 6)
+MOE_VARIANT(kDecode16, 2, 2, 1, 4, 4, 3, 5)
+MOE_VARIANT(kDecode32, 2, 4, 1, 4, 3, 3, 4)
+MOE_VARIANT(kPrefill64, 2, 8, 4, 1, 4, 3, 4)
 #undef MOE_VARIANT
 
 struct KernelInfo {
@@ -440,7 +506,7 @@ void launch_variant(const MoeGemmParams& p, cudaStream_t stream) {
 
 template <bool GU>
 void dispatch(const MoeGemmParams& p, cudaStream_t stream) {
-  const bool f8 = p.wtype == MoeWeightType::kFp8;
+  const bool f8 = p.wtype == MoeWeightType::kFp8, f4 = p.wtype == MoeWeightType::kNvfp4;
   const int K = GU ? p.H : p.I;
   MOELORA_CHECK(p.H % 64 == 0 && p.I % 64 == 0 && p.E >= 1 && p.w && p.tile_pairs && p.tiles && p.counters);
   MOELORA_CHECK(!p.act_fp8 || f8);  // W8A8 needs FP8 weights
@@ -449,7 +515,8 @@ void dispatch(const MoeGemmParams& p, cudaStream_t stream) {
   else
     MOELORA_CHECK(p.x && p.ldx % 8 == 0);  // 16-byte activation rows for cp.async
   MOELORA_CHECK(p.align_tile_rows == moe_gemm_tile_rows(p.tile));  // tile_pairs is [tiles, rows]
-  MOELORA_CHECK(p.wtype == MoeWeightType::kBf16 || p.w_scale);
+  MOELORA_CHECK(p.wtype == MoeWeightType::kBf16 || p.w_scale || f4);
+  MOELORA_CHECK(!f4 || (p.w_group_scale && p.w_global_scale && (reinterpret_cast<uintptr_t>(p.w_group_scale) & 15) == 0));
   MOELORA_CHECK(GU ? (p.act && p.top_k >= 1) : (p.y != nullptr));
   MOELORA_CHECK(!GU || !p.early_prefetch);
   switch (p.tile) {
@@ -459,6 +526,8 @@ void dispatch(const MoeGemmParams& p, cudaStream_t stream) {
       launch_variant<typename Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, GU, true>::C>(p, stream);  \
     else if (f8)                                                                                   \
       launch_variant<typename Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, GU, false>::C>(p, stream); \
+    else if (f4)                                                                                   \
+      launch_variant<typename Variant<MoeWeightType::kNvfp4, MoeGemmTile::TILE, GU, false>::C>(p, stream); \
     else                                                                                           \
       launch_variant<typename Variant<MoeWeightType::kBf16, MoeGemmTile::TILE, GU, false>::C>(p, stream); \
     break;
@@ -542,7 +611,9 @@ static void init_all_variants() {
   kernel_info<Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, true, true>::C>();   \
   kernel_info<Variant<MoeWeightType::kFp8, MoeGemmTile::TILE, false, true>::C>();  \
   kernel_info<Variant<MoeWeightType::kBf16, MoeGemmTile::TILE, true, false>::C>(); \
-  kernel_info<Variant<MoeWeightType::kBf16, MoeGemmTile::TILE, false, false>::C>();
+  kernel_info<Variant<MoeWeightType::kBf16, MoeGemmTile::TILE, false, false>::C>(); \
+  kernel_info<Variant<MoeWeightType::kNvfp4, MoeGemmTile::TILE, true, false>::C>(); \
+  kernel_info<Variant<MoeWeightType::kNvfp4, MoeGemmTile::TILE, false, false>::C>();
   MOE_INIT(kDecode8)
   MOE_INIT(kDecode16)
   MOE_INIT(kDecode32)

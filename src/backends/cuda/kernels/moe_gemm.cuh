@@ -2,7 +2,8 @@
 //   moe_gate_up: act[p] = silu(g) * u,  (g | u) = x[p / k] Wgu[e]^T (+ lora_delta[p])   [P, I] bf16
 //   moe_down:    y[p]   = act[p] Wd[e]^T                                               [P, H] f32
 //   moe_reduce:  out[t] = sum_j w[t,j] (y[t*k+j] + lora_down_delta[t*k+j])              [T, H] bf16
-// Weights are FP8 e4m3 with 128x128 block scales (or bf16). Two FP8 regimes (chosen on the host,
+// Weights are FP8 e4m3 with 128x128 block scales, NVFP4 (mma.sync kernels only), or bf16. Two FP8
+// regimes (chosen on the host,
 // cuda_plan::choose_moe_tuning; docs/numerics.md):
 //  - W8A16: FP8 is dequantised exactly in registers to bf16 and multiplied on the tensor cores
 //    (mma.sync m16n8k16, f32 accumulation) with unquantised bf16 activations;
@@ -17,6 +18,12 @@
 //           scale [E * 2*ceil(I/128), ceil(H/128)]: per expert ceil(I/128) gate row blocks, then
 //           ceil(I/128) up row blocks (split_rows applied per expert).
 //   down    w [E * H, I], scale [E * ceil(H/128), ceil(I/128)].
+//   NVFP4   w the e2m1 codes of the same rows, [rows, K/2] bytes in cuda_plan/nvfp4_layout.h's
+//           order; w_group_scale their e4m3 group scales tile-major ([rows/16][K/64][16][4]);
+//           w_global_scale f32 weight_scale_2 * 2^26 per expert and half ([E][gate, up]) or per
+//           expert (down). W4A16: each lane's 16 k of a chunk are one group, turned into bf16 by a
+//           byte permutation and one multiply by the group scale (exact), the global scale applied
+//           to the f32 sums.
 // Requirements of the tensor-core kernels: H % 64 == 0, I % 64 == 0 (K chunks of 64; the kernels
 // assert). Other shapes (H, I multiples of 16) take the generic kernels (moe_gemm_generic.cu,
 // MoeGemmParams::generic: one warp per (tile, output feature) on the CUDA cores, W8A16 numerics in
@@ -32,7 +39,7 @@
 
 namespace moelora::cuda {
 
-enum class MoeWeightType : int32_t { kFp8 = 0, kBf16 = 1 };
+enum class MoeWeightType : int32_t { kFp8 = 0, kBf16 = 1, kNvfp4 = 2 };
 
 // Tile shape of one GEMM launch: chosen on the host (cuda_plan::choose_moe_tuning) and handed
 // to moe_align as its tile_rows, so the routing tiles and the GEMM agree.
@@ -45,6 +52,8 @@ struct MoeGemmParams {
   int E = 0, H = 0, I = 0, top_k = 0;
   const void* w = nullptr;          // gate_up or down weights (see layout above)
   const float* w_scale = nullptr;   // FP8 only
+  const uint8_t* w_group_scale = nullptr;  // NVFP4 only (layout above)
+  const float* w_global_scale = nullptr;   // NVFP4 only
   const bf16* x = nullptr;          // gate_up: hidden [T, H] (row p / top_k); down: act [P, I] (row p)
   int64_t ldx = 0;                  // elements
   // W8A8 (FP8 weights only): the same rows quantised per token per 128 channels

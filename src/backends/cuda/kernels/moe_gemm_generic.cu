@@ -113,6 +113,8 @@ void check_generic(const MoeGemmParams& p, bool gate_up) {
                     "generic MoE GEMM: incomplete parameters (H {}, I {}, E {})", p.H, p.I, p.E);
   MOELORA_CHECK_MSG(!p.act_fp8 && !p.xq_lo && !p.wgmma, "generic MoE GEMM: bf16 activations only");
   MOELORA_CHECK(p.align_tile_rows == moe_gemm_tile_rows(p.tile));
+  MOELORA_CHECK_MSG(p.wtype != MoeWeightType::kNvfp4, "the generic MoE GEMMs take FP8 or bf16 experts (NVFP4 ones "
+                    "of shapes the 4-bit layout does not take are uploaded as bf16)");
   MOELORA_CHECK(p.wtype == MoeWeightType::kBf16 || p.w_scale);
   MOELORA_CHECK(gate_up ? (p.act && p.top_k >= 1) : (p.y != nullptr));
 }
