@@ -95,6 +95,15 @@ __device__ __forceinline__ void group_sync(int wk, int group_threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(1 + wk), "r"(group_threads) : "memory");
 }
 
+// A lane's 16 bf16 token values of a chunk (32 contiguous shared-memory bytes) as the B registers
+// of the chunk's 4 MMA steps (xw[2s], xw[2s + 1] for step s).
+__device__ __forceinline__ void token_frags(const uint8_t* xr, uint32_t (&xw)[8]) {
+  const uint4 xa = *reinterpret_cast<const uint4*>(xr);
+  const uint4 xb = *reinterpret_cast<const uint4*>(xr + 16);
+  xw[0] = xa.x, xw[1] = xa.y, xw[2] = xa.z, xw[3] = xa.w;
+  xw[4] = xb.x, xw[5] = xb.y, xw[6] = xb.z, xw[7] = xb.w;
+}
+
 template <class C>
 __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_constant__ MoeGemmParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -336,10 +345,8 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
         }
 #pragma unroll
         for (int nt = 0; nt < C::NT; ++nt) {
-          const uint8_t* xr = sb + C::kXOff + (nt * 8 + g) * C::kXRow + c4 * 32;
-          const uint4 xa = *reinterpret_cast<const uint4*>(xr);
-          const uint4 xb = *reinterpret_cast<const uint4*>(xr + 16);
-          const uint32_t xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+          uint32_t xw[8];
+          token_frags(sb + C::kXOff + (nt * 8 + g) * C::kXRow + c4 * 32, xw);
 #pragma unroll
           for (int st = 0; st < 4; ++st)
 #pragma unroll
@@ -350,10 +357,8 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
       } else {
 #pragma unroll
       for (int nt = 0; nt < C::NT; ++nt) {
-        const uint8_t* xr = sb + C::kXOff + (nt * 8 + g) * C::kXRow + c4 * 32;
-        const uint4 xa = *reinterpret_cast<const uint4*>(xr);
-        const uint4 xb = *reinterpret_cast<const uint4*>(xr + 16);
-        const uint32_t xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        uint32_t xw[8];
+        token_frags(sb + C::kXOff + (nt * 8 + g) * C::kXRow + c4 * 32, xw);
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
 #pragma unroll
