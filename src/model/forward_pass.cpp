@@ -19,16 +19,21 @@ class Body {
     par_.embed(b_, step, w_.embed, h);
     Tensor x = b_.alloc_act(T, c_.hidden_size);
     const float eps = static_cast<float>(c_.rms_norm_eps);
+    // Each residual add is fused with the norm that follows it (Backend::add_rmsnorm): the
+    // attention output's with post_attention_norm, the MLP output's with the next layer's
+    // input_norm, so x already holds a layer's normed input when the layer starts.
+    if (c_.num_layers > 0) b_.rmsnorm(h, w_.layers[0].input_norm, eps, x);
     for (int l = 0; l < c_.num_layers; ++l) {
       const LayerWeights& lw = w_.layers[l];
       layer_lora_ = lora_ ? &(*lora_)[l] : nullptr;
       const size_t mark = b_.scratch_mark();  // this layer's scratch is given back at its end
-      b_.rmsnorm(h, lw.input_norm, eps, x);
       Tensor a = c_.is_mla() ? attention_mla(lw.attn, x, kv[l]) : attention_gqa(lw.attn, x, kv[l]);
-      b_.add(a, h);
-      b_.rmsnorm(h, lw.post_attention_norm, eps, x);
+      b_.add_rmsnorm(a, h, lw.post_attention_norm, eps, x);
       Tensor m = lw.is_moe ? moe(lw, x) : dense_mlp(lw.mlp, x);
-      b_.add(m, h);
+      if (l + 1 < c_.num_layers)
+        b_.add_rmsnorm(m, h, w_.layers[l + 1].input_norm, eps, x);
+      else
+        b_.add(m, h);  // the last layer's: the final norm runs on the logit rows only
       b_.scratch_release(mark);
     }
     const int R = static_cast<int>(step.logit_rows.size());

@@ -158,6 +158,14 @@ class Backend {
   virtual void silu_mul(const Tensor& gate, const Tensor& up, Tensor out) = 0;
   // inout += x
   virtual void add(const Tensor& x, Tensor inout) = 0;
+  // The residual step between two blocks: inout += x (rounded to inout's dtype), then
+  // out = rmsnorm(inout) of that rounded sum, exactly add() then rmsnorm(). A backend may do both in
+  // one pass (CUDA: one launch and one read of the residual instead of two); the result must be the
+  // same bit for bit. out may not alias x or inout.
+  virtual void add_rmsnorm(const Tensor& x, Tensor inout, const Tensor& w, float eps, Tensor out) {
+    add(x, inout);
+    rmsnorm(inout, w, eps, out);
+  }
   // Router scores: out [T, E] f32 = x Wg^T computed in f32.
   virtual void router_logits(const Tensor& x, const LinearWeight& gate, Tensor out) = 0;
   // Softmax over experts, top-k (ties: lower expert index first), optional renormalisation.

@@ -22,7 +22,7 @@ struct EltCase {
   bool inter = false;
   std::string name() const {
     std::string s = op + "(T=" + std::to_string(T) + ",cols=" + std::to_string(cols);
-    if (op == "RMSNORM") s += ",group=" + std::to_string(group);
+    if (op == "RMSNORM" || op == "ADD_RMSNORM") s += ",group=" + std::to_string(group);
     if (op == "ROPE")
       s += ",heads=" + std::to_string(heads) + ",stride=" + std::to_string(stride) + ",off=" + std::to_string(rot_off) +
            ",rot=" + std::to_string(rot) + (inter ? ",interleaved" : ",neox");
@@ -84,6 +84,33 @@ void run_case(const EltCase& c) {
     const DevMat& o = inplace ? x : out;
     EXPECT_CLOSE_ROWS(o.download(), ref, c.T, c.cols, kOneRounding);
     EXPECT_TRUE(o.padding_intact());
+  } else if (c.op == "ADD_RMSNORM") {
+    // The fused residual step (Backend::add_rmsnorm) against launch_add then launch_rmsnorm on the
+    // same inputs: bit for bit, the written-back sum and the normed output; and the CPU reference.
+    DevMat h(c.T, c.cols, ld), h2(c.T, c.cols, ld), a(c.T, c.cols, ld), w(1, c.group);
+    h.randomize(rng, 2.0f);
+    h2.host = h.host;
+    h2.upload();
+    a.randomize(rng, 2.0f);
+    w.randomize(rng);
+    DevMat out(c.T, c.cols, ld), out2(c.T, c.cols, ld);
+    cuda::RmsNormParams p{h.ptr(), ld, w.ptr(), c.group, c.cols, c.T, 1e-6f, out.ptr(), ld};
+    p.add = a.ptr();
+    p.ld_add = ld;
+    p.sum = h.ptr();
+    p.ld_sum = ld;
+    cuda::launch_rmsnorm(p, st);
+    cuda::launch_add(cuda::AddParams{a.ptr(), ld, h2.ptr(), ld, c.T, c.cols}, st);
+    cuda::launch_rmsnorm(cuda::RmsNormParams{h2.ptr(), ld, w.ptr(), c.group, c.cols, c.T, 1e-6f, out2.ptr(), ld}, st);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> sum = h.download(), out_v = out.download();
+    EXPECT_EQ(sum, h2.download()) << "residual sum differs from launch_add's";
+    EXPECT_EQ(out_v, out2.download()) << "normed output differs from launch_rmsnorm's";
+    std::vector<float> ref_sum(h.host.size()), ref(h.host.size());
+    for (size_t i = 0; i < ref_sum.size(); ++i) ref_sum[i] = bf16_to_f32(f32_to_bf16(h.host[i] + a.host[i]));
+    cpu::rmsnorm(ref_sum.data(), c.cols, c.T, c.cols, w.host.data(), c.group, 1e-6f, ref.data(), c.cols);
+    EXPECT_CLOSE_ROWS(out_v, ref, c.T, c.cols, kOneRounding);
+    EXPECT_TRUE(h.padding_intact() && out.padding_intact());
   } else if (c.op == "ROPE") {
     const int cols = c.heads * c.stride;
     DevMat x(c.T, cols, cols + c.ld_pad);
@@ -300,6 +327,10 @@ std::vector<EltCase> elt_cases() {
   v.push_back({"RMSNORM", 2, 1000, 1000});        // large group, scalar path
   v.push_back({"RMSNORM_INPLACE", 9, 2048, 2048, 8});
   v.push_back({"RMSNORM_INPLACE", 9, 512, 128});
+  for (int T : {0, 1, 7, 256}) v.push_back({"ADD_RMSNORM", T, 2048, 2048, T == 7 ? 8 : 0});  // block kernel, vector
+  v.push_back({"ADD_RMSNORM", 5, 1000, 1000});   // block kernel, scalar
+  v.push_back({"ADD_RMSNORM", 9, 128, 128, 8});  // warp kernel (the tiny models' hidden 128)
+  v.push_back({"ADD_RMSNORM", 3, 208, 208});     // warp kernel, odd width
   v.push_back({"SILU_MUL", 3, 192, 0, 8});
   v.push_back({"SILU_MUL", 4, 100});
   v.push_back({"ADD", 3, 100, 0, 3});
@@ -337,7 +368,7 @@ std::vector<EltCase> elt_sanitize_cases() {
   EltCase m{"MLA_SPLIT", 2, 0};
   m.heads = 2;
   return {{"EMBED", 3, 100}, {"RMSNORM", 3, 2048, 2048, 8}, {"RMSNORM", 2, 256, 128}, {"SILU_MUL", 2, 192, 0, 8},
-          {"ADD", 2, 100}, {"GATHER_BF16", 2, 100}, {"CONVERT", 2, 40}, {"FP8_QUANT", 3, 192}, r, m};
+          {"ADD", 2, 100}, {"ADD_RMSNORM", 3, 2048, 2048, 8}, {"ADD_RMSNORM", 2, 128, 128}, {"GATHER_BF16", 2, 100}, {"CONVERT", 2, 40}, {"FP8_QUANT", 3, 192}, r, m};
 }
 INSTANTIATE_TEST_SUITE_P(SanitizeElt, Elementwise, ::testing::ValuesIn(elt_sanitize_cases()), elt_name);
 

@@ -97,6 +97,29 @@ void CudaBackend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor ou
   cuda::launch_rmsnorm(p, main_);
 }
 
+// One launch: the residual add's rounded sum is written back to inout and normalised into out
+// (elementwise.cuh: bit for bit add() then rmsnorm()).
+void CudaBackend::add_rmsnorm(const Tensor& x, Tensor inout, const Tensor& w, float eps, Tensor out) {
+  MOELORA_CHECK_MSG(x.rows() == inout.rows() && x.cols() == inout.cols() && out.rows() == inout.rows() &&
+                        out.cols() == inout.cols(),
+                    "add_rmsnorm: x {} inout {} out {}", x.shape_string(), inout.shape_string(), out.shape_string());
+  cuda::RmsNormParams p;
+  p.x = act(inout);
+  p.ld_x = inout.ld();
+  p.w = act(w);
+  p.group = static_cast<int>(w.numel());
+  p.cols = static_cast<int>(inout.cols());
+  p.T = static_cast<int>(inout.rows());
+  p.eps = eps;
+  p.out = act(out);
+  p.ld_out = out.ld();
+  p.add = act(x);
+  p.ld_add = x.ld();
+  p.sum = act(inout);
+  p.ld_sum = inout.ld();
+  cuda::launch_rmsnorm(p, main_);
+}
+
 void CudaBackend::linear(const Tensor& x, const LinearWeight& w, const LoraModuleTable* lora, Tensor out) {
   base_linear(x, w, out);
   if (lora != nullptr) add_lora(x, {{out, lora}});

@@ -60,6 +60,11 @@ __global__ void rmsnorm_warp_kernel(RmsNormParams p) {
   for (int j = 0; j < kSmallGroupMax / 32; ++j) {
     const int c = lane + 32 * j;
     v[j] = c < p.group ? __bfloat162float(x[c]) : 0.0f;
+    if (p.add && c < p.group) {  // the residual add's rounded sum, as add_kernel makes it
+      const bf16 s = __float2bfloat16(__bfloat162float(p.add[t * p.ld_add + g0 + c]) + v[j]);
+      p.sum[t * p.ld_sum + g0 + c] = s;
+      v[j] = __bfloat162float(s);
+    }
     ss += v[j] * v[j];
   }
   ss = warp_sum(ss);
@@ -80,19 +85,37 @@ __global__ void rmsnorm_block_kernel(RmsNormParams p, bool vec) {
   const int g0 = static_cast<int>(blockIdx.x % groups_per_row) * p.group;
   const bf16* x = p.x + t * p.ld_x + g0;
   bf16* y = p.out + t * p.ld_out + g0;
+  // With a residual add: the rounded sum is written to `sum` and both passes read it (each element
+  // by the thread that wrote it), so the norm is that of the stored sum.
+  const bf16* a = p.add ? p.add + t * p.ld_add + g0 : nullptr;
+  bf16* s = p.add ? p.sum + t * p.ld_sum + g0 : nullptr;
   float ss = 0.0f;
   if (vec) {
     for (int c = threadIdx.x * 8; c < p.group; c += blockDim.x * 8) {
-      const uint4 v = ldg_u4(x + c);
+      uint4 v = ldg_u4(x + c);
+      if (a) {
+        const uint4 r = ldg_u4(a + c);
+        v.x = pack_bf16x2(u4_bf16(r, 0) + u4_bf16(v, 0), u4_bf16(r, 1) + u4_bf16(v, 1));
+        v.y = pack_bf16x2(u4_bf16(r, 2) + u4_bf16(v, 2), u4_bf16(r, 3) + u4_bf16(v, 3));
+        v.z = pack_bf16x2(u4_bf16(r, 4) + u4_bf16(v, 4), u4_bf16(r, 5) + u4_bf16(v, 5));
+        v.w = pack_bf16x2(u4_bf16(r, 6) + u4_bf16(v, 6), u4_bf16(r, 7) + u4_bf16(v, 7));
+        *reinterpret_cast<uint4*>(s + c) = v;
+      }
 #pragma unroll
       for (int i = 0; i < 8; ++i) ss += u4_bf16(v, i) * u4_bf16(v, i);
     }
   } else {
     for (int c = threadIdx.x; c < p.group; c += blockDim.x) {
-      const float f = __bfloat162float(x[c]);
+      float f = __bfloat162float(x[c]);
+      if (a) {
+        const bf16 r = __float2bfloat16(__bfloat162float(a[c]) + f);
+        s[c] = r;
+        f = __bfloat162float(r);
+      }
       ss += f * f;
     }
   }
+  if (a) x = s;  // the second pass normalises the stored sum
   __shared__ float red[32];
   ss = warp_sum(ss);
   if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = ss;
@@ -267,6 +290,7 @@ void launch_embed(const EmbedParams& p, cudaStream_t stream) {
 
 void launch_rmsnorm(const RmsNormParams& p, cudaStream_t stream) {
   MOELORA_CHECK(p.group > 0 && p.cols % p.group == 0);
+  MOELORA_CHECK_MSG(!p.add || p.sum, "rmsnorm: a residual add needs its sum output");
   if (p.T == 0) return;
   const int64_t groups = static_cast<int64_t>(p.T) * (p.cols / p.group);
   if (p.group <= kSmallGroupMax) {
@@ -274,7 +298,8 @@ void launch_rmsnorm(const RmsNormParams& p, cudaStream_t stream) {
     launch_pdl(rmsnorm_warp_kernel, dim3(static_cast<unsigned>(ceil_div64(groups, warps))), dim3(warps * 32), 0, stream, p);
   } else {
     const bool vec = vec8_ok(p.x, p.ld_x, p.out, p.ld_out, p.group) && p.group % 8 == 0 &&
-                     (reinterpret_cast<uintptr_t>(p.w) & 15u) == 0;
+                     (reinterpret_cast<uintptr_t>(p.w) & 15u) == 0 &&
+                     (!p.add || vec8_ok(p.add, p.ld_add, p.sum, p.ld_sum, p.group));
     launch_pdl(rmsnorm_block_kernel, dim3(static_cast<unsigned>(groups)), dim3(kThreads), 0, stream, p, vec);
   }
   MOELORA_CUDA_CHECK_LAUNCH();

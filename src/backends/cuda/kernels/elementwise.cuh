@@ -39,6 +39,13 @@ struct RmsNormParams {
   float eps = 1e-6f;
   __nv_bfloat16* out = nullptr;
   int64_t ld_out = 0;
+  // Optional residual add first (Backend::add_rmsnorm): the rounded sum bf16(x + add) is written
+  // to `sum` (may alias x) and is what gets normalised: bit for bit launch_add then launch_rmsnorm
+  // (same rounding, same reduction order). out must not alias add or sum unless it is x itself.
+  const __nv_bfloat16* add = nullptr;
+  int64_t ld_add = 0;
+  __nv_bfloat16* sum = nullptr;
+  int64_t ld_sum = 0;
 };
 void launch_rmsnorm(const RmsNormParams& p, cudaStream_t stream);
 
