@@ -20,6 +20,7 @@ struct EltCase {
   int T = 1, cols = 128, group = 128, ld_pad = 0;
   int heads = 1, stride = 0, rot_off = 0, rot = 0;
   bool inter = false;
+  int add_pad = 0;  // ADD_RMSNORM: row padding of the added tensor (its own alignment)
   std::string name() const {
     std::string s = op + "(T=" + std::to_string(T) + ",cols=" + std::to_string(cols);
     if (op == "RMSNORM" || op == "ADD_RMSNORM") s += ",group=" + std::to_string(group);
@@ -27,6 +28,7 @@ struct EltCase {
       s += ",heads=" + std::to_string(heads) + ",stride=" + std::to_string(stride) + ",off=" + std::to_string(rot_off) +
            ",rot=" + std::to_string(rot) + (inter ? ",interleaved" : ",neox");
     if (ld_pad) s += ",ld+" + std::to_string(ld_pad);
+    if (add_pad) s += ",add_ld+" + std::to_string(add_pad);
     return s + ")";
   }
 };
@@ -87,7 +89,8 @@ void run_case(const EltCase& c) {
   } else if (c.op == "ADD_RMSNORM") {
     // The fused residual step (Backend::add_rmsnorm) against launch_add then launch_rmsnorm on the
     // same inputs: bit for bit, the written-back sum and the normed output; and the CPU reference.
-    DevMat h(c.T, c.cols, ld), h2(c.T, c.cols, ld), a(c.T, c.cols, ld), w(1, c.group);
+    const int lda = c.cols + c.add_pad;
+    DevMat h(c.T, c.cols, ld), h2(c.T, c.cols, ld), a(c.T, c.cols, lda), w(1, c.group);
     h.randomize(rng, 2.0f);
     h2.host = h.host;
     h2.upload();
@@ -96,11 +99,11 @@ void run_case(const EltCase& c) {
     DevMat out(c.T, c.cols, ld), out2(c.T, c.cols, ld);
     cuda::RmsNormParams p{h.ptr(), ld, w.ptr(), c.group, c.cols, c.T, 1e-6f, out.ptr(), ld};
     p.add = a.ptr();
-    p.ld_add = ld;
+    p.ld_add = lda;
     p.sum = h.ptr();
     p.ld_sum = ld;
     cuda::launch_rmsnorm(p, st);
-    cuda::launch_add(cuda::AddParams{a.ptr(), ld, h2.ptr(), ld, c.T, c.cols}, st);
+    cuda::launch_add(cuda::AddParams{a.ptr(), lda, h2.ptr(), ld, c.T, c.cols}, st);
     cuda::launch_rmsnorm(cuda::RmsNormParams{h2.ptr(), ld, w.ptr(), c.group, c.cols, c.T, 1e-6f, out2.ptr(), ld}, st);
     MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
     const std::vector<float> sum = h.download(), out_v = out.download();
@@ -328,7 +331,12 @@ std::vector<EltCase> elt_cases() {
   v.push_back({"RMSNORM_INPLACE", 9, 2048, 2048, 8});
   v.push_back({"RMSNORM_INPLACE", 9, 512, 128});
   for (int T : {0, 1, 7, 256}) v.push_back({"ADD_RMSNORM", T, 2048, 2048, T == 7 ? 8 : 0});  // block kernel, vector
-  v.push_back({"ADD_RMSNORM", 5, 1000, 1000});   // block kernel, scalar
+  v.push_back({"ADD_RMSNORM", 5, 1000, 1000, 3});  // block kernel, scalar (rows not 16-byte aligned)
+  {
+    EltCase c{"ADD_RMSNORM", 4, 2048, 2048};
+    c.add_pad = 3;  // only the added tensor misaligned: the two launches, still bit for bit
+    v.push_back(c);
+  }
   v.push_back({"ADD_RMSNORM", 9, 128, 128, 8});  // warp kernel (the tiny models' hidden 128)
   v.push_back({"ADD_RMSNORM", 3, 208, 208});     // warp kernel, odd width
   v.push_back({"SILU_MUL", 3, 192, 0, 8});

@@ -83,7 +83,8 @@ void CudaBackend::embed(const Tensor& table, Tensor out) {
   cuda::launch_embed(p, main_);
 }
 
-void CudaBackend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor out) {
+namespace {
+cuda::RmsNormParams rmsnorm_params(const Tensor& x, const Tensor& w, float eps, Tensor out) {
   cuda::RmsNormParams p;
   p.x = act(x);
   p.ld_x = x.ld();
@@ -94,7 +95,12 @@ void CudaBackend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor ou
   p.eps = eps;
   p.out = act(out);
   p.ld_out = out.ld();
-  cuda::launch_rmsnorm(p, main_);
+  return p;
+}
+}  // namespace
+
+void CudaBackend::rmsnorm(const Tensor& x, const Tensor& w, float eps, Tensor out) {
+  cuda::launch_rmsnorm(rmsnorm_params(x, w, eps, out), main_);
 }
 
 // One launch: the residual add's rounded sum is written back to inout and normalised into out
@@ -103,16 +109,7 @@ void CudaBackend::add_rmsnorm(const Tensor& x, Tensor inout, const Tensor& w, fl
   MOELORA_CHECK_MSG(x.rows() == inout.rows() && x.cols() == inout.cols() && out.rows() == inout.rows() &&
                         out.cols() == inout.cols(),
                     "add_rmsnorm: x {} inout {} out {}", x.shape_string(), inout.shape_string(), out.shape_string());
-  cuda::RmsNormParams p;
-  p.x = act(inout);
-  p.ld_x = inout.ld();
-  p.w = act(w);
-  p.group = static_cast<int>(w.numel());
-  p.cols = static_cast<int>(inout.cols());
-  p.T = static_cast<int>(inout.rows());
-  p.eps = eps;
-  p.out = act(out);
-  p.ld_out = out.ld();
+  cuda::RmsNormParams p = rmsnorm_params(inout, w, eps, out);
   p.add = act(x);
   p.ld_add = x.ld();
   p.sum = act(inout);
@@ -163,11 +160,16 @@ void CudaBackend::base_linear(const Tensor& x, const LinearWeight& w, Tensor out
   // NVFP4 beyond the small-M range: the weight dequantised to bf16 for cuBLASLt.
   const bool nvfp4_lt = a.w.type == cuda::WeightType::kNvfp4 &&
                         cuda_plan::choose_dense_path(M, cuda_plan::DenseWeights::kNvfp4) == cuda_plan::DensePath::kCublasLt;
+  // The scratch is given back once the launches are queued: everything that reuses it runs after
+  // them on the same stream (a DeepSeek dense layer would otherwise hold one 64 MiB NVFP4 pass per
+  // projection until the layer ends).
+  const size_t mark = scratch_mark();
   if (fp8_lt || nvfp4_lt) {
     scratch.bytes = fp8_lt ? cuda::dense_fp8_scratch_bytes(M, w.in) : cuda::dense_nvfp4_scratch_bytes(w.out, w.in);
     scratch.ptr = arena_alloc(scratch.bytes);
   }
   cuda::dense_linear(*dense_, a, scratch, main_);
+  scratch_release(mark);
 }
 
 // Every output's y += its per-token LoRA delta (y: a projection's output, or a column slice of it).

@@ -290,7 +290,7 @@ void launch_embed(const EmbedParams& p, cudaStream_t stream) {
 
 void launch_rmsnorm(const RmsNormParams& p, cudaStream_t stream) {
   MOELORA_CHECK(p.group > 0 && p.cols % p.group == 0);
-  MOELORA_CHECK_MSG(!p.add || p.sum, "rmsnorm: a residual add needs its sum output");
+  MOELORA_CHECK_MSG(!p.add || (p.sum == p.x && p.ld_sum == p.ld_x), "rmsnorm: a residual add writes its sum to x");
   if (p.T == 0) return;
   const int64_t groups = static_cast<int64_t>(p.T) * (p.cols / p.group);
   if (p.group <= kSmallGroupMax) {
@@ -298,8 +298,18 @@ void launch_rmsnorm(const RmsNormParams& p, cudaStream_t stream) {
     launch_pdl(rmsnorm_warp_kernel, dim3(static_cast<unsigned>(ceil_div64(groups, warps))), dim3(warps * 32), 0, stream, p);
   } else {
     const bool vec = vec8_ok(p.x, p.ld_x, p.out, p.ld_out, p.group) && p.group % 8 == 0 &&
-                     (reinterpret_cast<uintptr_t>(p.w) & 15u) == 0 &&
-                     (!p.add || vec8_ok(p.add, p.ld_add, p.sum, p.ld_sum, p.group));
+                     (reinterpret_cast<uintptr_t>(p.w) & 15u) == 0;
+    if (vec && p.add && !vec8_ok(p.add, p.ld_add, p.sum, p.ld_sum, p.group)) {
+      // The fused kernel would sum the squares in the scalar order where the plain norm uses the
+      // vector one: the two launches instead, so the result stays that of add then rmsnorm.
+      launch_add(AddParams{p.add, p.ld_add, p.sum, p.ld_sum, p.T, p.cols}, stream);
+      RmsNormParams q = p;
+      q.add = nullptr;
+      q.sum = nullptr;
+      launch_pdl(rmsnorm_block_kernel, dim3(static_cast<unsigned>(groups)), dim3(kThreads), 0, stream, q, true);
+      MOELORA_CUDA_CHECK_LAUNCH();
+      return;
+    }
     launch_pdl(rmsnorm_block_kernel, dim3(static_cast<unsigned>(groups)), dim3(kThreads), 0, stream, p, vec);
   }
   MOELORA_CUDA_CHECK_LAUNCH();

@@ -40,8 +40,10 @@ struct RmsNormParams {
   __nv_bfloat16* out = nullptr;
   int64_t ld_out = 0;
   // Optional residual add first (Backend::add_rmsnorm): the rounded sum bf16(x + add) is written
-  // to `sum` (may alias x) and is what gets normalised: bit for bit launch_add then launch_rmsnorm
-  // (same rounding, same reduction order). out must not alias add or sum unless it is x itself.
+  // back to `sum`, which must be x itself (the residual, in place), and is what gets normalised:
+  // bit for bit launch_add then launch_rmsnorm (same rounding, same reduction order; where only
+  // `add` is too misaligned for the vector path the plain norm would take, launch_rmsnorm runs
+  // exactly those two launches). out must not alias add or x.
   const __nv_bfloat16* add = nullptr;
   int64_t ld_add = 0;
   __nv_bfloat16* sum = nullptr;
