@@ -71,14 +71,16 @@ class Body {
       b_.linear(x, w.k, tab(LoraTarget::kK), k);
       b_.linear(x, w.v, tab(LoraTarget::kV), v);
     }
-    if (w.q_norm.defined()) {
-      const float eps = static_cast<float>(c_.rms_norm_eps);
-      b_.rmsnorm(q, w.q_norm, eps, q);
-      b_.rmsnorm(k, w.k_norm, eps, k);
-    }
-    if (q_and_k.defined()) {  // adjacent: one rotation over heads + kv_heads heads of d
+    const float eps = static_cast<float>(c_.rms_norm_eps);
+    if (q_and_k.defined() && w.q_norm.defined()) {  // Qwen3, fused q|k: norms and rotation in one call
+      b_.head_norm_rope(q_and_k, heads, kv_heads, d, w.q_norm, w.k_norm, eps, rope_);
+    } else if (q_and_k.defined()) {  // adjacent: one rotation over heads + kv_heads heads of d
       b_.rope(q_and_k, heads + kv_heads, d, 0, rope_);
     } else {
+      if (w.q_norm.defined()) {
+        b_.rmsnorm(q, w.q_norm, eps, q);
+        b_.rmsnorm(k, w.k_norm, eps, k);
+      }
       b_.rope(q, heads, d, 0, rope_);
       b_.rope(k, kv_heads, d, 0, rope_);
     }

@@ -148,6 +148,17 @@ class Backend {
   // of every head by position-dependent angles pos * inv_freq[i], cos/sin scaled by
   // rope.attention_factor. Neox pairing (i, i + rot_dim/2) or, if interleaved, (2i, 2i + 1).
   virtual void rope(Tensor x, int heads, int head_stride, int rot_offset, const RopeTable& rope) = 0;
+  // Qwen3's per-head q/k norms and the rotation after them, on the adjacent q | k heads of x
+  // [T, (q_heads + kv_heads) * head_dim]: exactly rmsnorm(q heads, q_norm), rmsnorm(k heads,
+  // k_norm), rope(x, q_heads + kv_heads, head_dim, 0, rope). A backend may do it in one pass (CUDA:
+  // one launch, bit for bit the same).
+  virtual void head_norm_rope(Tensor x, int q_heads, int kv_heads, int head_dim, const Tensor& q_norm,
+                              const Tensor& k_norm, float eps, const RopeTable& rope) {
+    rmsnorm(x.slice_cols(0, int64_t{q_heads} * head_dim), q_norm, eps, x.slice_cols(0, int64_t{q_heads} * head_dim));
+    rmsnorm(x.slice_cols(int64_t{q_heads} * head_dim, int64_t{kv_heads} * head_dim), k_norm, eps,
+            x.slice_cols(int64_t{q_heads} * head_dim, int64_t{kv_heads} * head_dim));
+    this->rope(x, q_heads + kv_heads, head_dim, 0, rope);
+  }
   // Writes each token's k [T, kv_heads*k_head_dim] and v [T, kv_heads*v_head_dim] into the
   // cache at its (sequence, position), then causal attention over positions 0..pos of its
   // sequence for every query head h (kv head h / (heads / kv_heads)):

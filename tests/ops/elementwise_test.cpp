@@ -21,6 +21,7 @@ struct EltCase {
   int heads = 1, stride = 0, rot_off = 0, rot = 0;
   bool inter = false;
   int add_pad = 0;  // ADD_RMSNORM: row padding of the added tensor (its own alignment)
+  int kv_heads = 0;  // HEAD_NORM_ROPE: k heads after the `heads` q heads (head_dim = stride)
   std::string name() const {
     std::string s = op + "(T=" + std::to_string(T) + ",cols=" + std::to_string(cols);
     if (op == "RMSNORM" || op == "ADD_RMSNORM") s += ",group=" + std::to_string(group);
@@ -29,6 +30,8 @@ struct EltCase {
            ",rot=" + std::to_string(rot) + (inter ? ",interleaved" : ",neox");
     if (ld_pad) s += ",ld+" + std::to_string(ld_pad);
     if (add_pad) s += ",add_ld+" + std::to_string(add_pad);
+    if (op == "HEAD_NORM_ROPE")
+      s += ",heads=" + std::to_string(heads) + "+" + std::to_string(kv_heads) + ",d=" + std::to_string(stride);
     return s + ")";
   }
 };
@@ -114,6 +117,57 @@ void run_case(const EltCase& c) {
     cpu::rmsnorm(ref_sum.data(), c.cols, c.T, c.cols, w.host.data(), c.group, 1e-6f, ref.data(), c.cols);
     EXPECT_CLOSE_ROWS(out_v, ref, c.T, c.cols, kOneRounding);
     EXPECT_TRUE(h.padding_intact() && out.padding_intact());
+  } else if (c.op == "HEAD_NORM_ROPE") {
+    // Qwen3's q/k norms + rotation in one launch against launch_rmsnorm (q heads, k heads) then
+    // launch_rope over both: bit for bit; and against the CPU reference.
+    const int d = c.stride, heads = c.heads + c.kv_heads, cols = heads * d;
+    DevMat x(c.T, cols, cols + c.ld_pad), wq(1, d), wk(1, d);
+    x.randomize(rng, 2.0f);
+    DevMat x2(c.T, cols, cols + c.ld_pad);
+    x2.host = x.host;
+    x2.upload();
+    wq.randomize(rng);
+    wk.randomize(rng);
+    std::vector<int32_t> pos(c.T);
+    for (int t = 0; t < c.T; ++t) pos[t] = t < 3 ? t : rng.integer(0, 200000);
+    RopeTable rt;
+    rt.rot_dim = d;
+    rt.attention_factor = c.ld_pad ? 1.25f : 1.0f;
+    for (int i = 0; i < d / 2; ++i) rt.inv_freq.push_back(static_cast<float>(1.0 / std::pow(1e6, 2.0 * i / d)));
+    DeviceArray<int32_t> dpos(std::max<size_t>(pos.size(), 1));
+    dpos.upload(pos);
+    DeviceArray<float> dinv(rt.inv_freq);
+    cuda::HeadNormRopeParams p;
+    p.x = x.ptr();
+    p.ld_x = x.ld;
+    p.T = c.T;
+    p.q_heads = c.heads;
+    p.kv_heads = c.kv_heads;
+    p.head_dim = d;
+    p.q_norm = wq.ptr();
+    p.k_norm = wk.ptr();
+    p.eps = 1e-6f;
+    p.positions = dpos.get();
+    p.inv_freq = dinv.get();
+    p.attention_factor = rt.attention_factor;
+    cuda::launch_head_norm_rope(p, st);
+    const int qc = c.heads * d;
+    cuda::launch_rmsnorm(cuda::RmsNormParams{x2.ptr(), x2.ld, wq.ptr(), d, qc, c.T, 1e-6f, x2.ptr(), x2.ld}, st);
+    cuda::launch_rmsnorm(
+        cuda::RmsNormParams{x2.ptr() + qc, x2.ld, wk.ptr(), d, c.kv_heads * d, c.T, 1e-6f, x2.ptr() + qc, x2.ld}, st);
+    cuda::launch_rope(cuda::RopeParams{x2.ptr(), x2.ld, c.T, dpos.get(), heads, d, 0, d, false, dinv.get(),
+                                       rt.attention_factor},
+                      st);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> got = x.download();
+    EXPECT_EQ(got, x2.download()) << "differs from rmsnorm + rmsnorm + rope";
+    std::vector<float> ref(x.host.size());
+    cpu::rmsnorm(x.host.data(), cols, c.T, qc, wq.host.data(), d, 1e-6f, ref.data(), cols);
+    cpu::rmsnorm(x.host.data() + qc, cols, c.T, c.kv_heads * d, wk.host.data(), d, 1e-6f, ref.data() + qc, cols);
+    for (auto& r : ref) r = bf16_to_f32(f32_to_bf16(r));  // the norm's bf16 output feeds the rotation
+    cpu::rope(ref.data(), cols, c.T, pos.data(), heads, d, 0, rt);
+    EXPECT_CLOSE_ROWS(got, ref, c.T, cols, kOneRounding);
+    EXPECT_TRUE(x.padding_intact());
   } else if (c.op == "ROPE") {
     const int cols = c.heads * c.stride;
     DevMat x(c.T, cols, cols + c.ld_pad);
@@ -339,6 +393,18 @@ std::vector<EltCase> elt_cases() {
   }
   v.push_back({"ADD_RMSNORM", 9, 128, 128, 8});  // warp kernel (the tiny models' hidden 128)
   v.push_back({"ADD_RMSNORM", 3, 208, 208});     // warp kernel, odd width
+  for (int T : {0, 1, 7, 256}) {  // Qwen3-30B-A3B (32 + 4 heads of 128), tiny Qwen3 (4 + 2 of 64), d 256
+    EltCase h{"HEAD_NORM_ROPE", T, 0};
+    h.heads = 32, h.kv_heads = 4, h.stride = 128, h.ld_pad = T == 7 ? 8 : 0;
+    v.push_back(h);
+  }
+  {
+    EltCase h{"HEAD_NORM_ROPE", 5, 0};
+    h.heads = 4, h.kv_heads = 2, h.stride = 64;
+    v.push_back(h);
+    h.heads = 2, h.kv_heads = 1, h.stride = 256, h.ld_pad = 8;
+    v.push_back(h);
+  }
   v.push_back({"SILU_MUL", 3, 192, 0, 8});
   v.push_back({"SILU_MUL", 4, 100});
   v.push_back({"ADD", 3, 100, 0, 3});

@@ -96,6 +96,8 @@ class CudaBackend final : public Backend {
   void silu_mul(const Tensor& gate, const Tensor& up, Tensor out) override;
   void add(const Tensor& x, Tensor inout) override;
   void add_rmsnorm(const Tensor& x, Tensor inout, const Tensor& w, float eps, Tensor out) override;
+  void head_norm_rope(Tensor x, int q_heads, int kv_heads, int head_dim, const Tensor& q_norm, const Tensor& k_norm,
+                      float eps, const RopeTable& rope) override;
   void router_logits(const Tensor& x, const LinearWeight& gate, Tensor out) override;
   void topk_softmax(const Tensor& logits, int k, bool renormalize, Tensor ids, Tensor weights) override;
   void topk_sigmoid_grouped(const Tensor& logits, const Tensor& bias, int k, int n_group, int topk_group,

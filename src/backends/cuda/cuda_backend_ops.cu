@@ -250,6 +250,31 @@ void CudaBackend::rope(Tensor x, int heads, int head_stride, int rot_offset, con
   cuda::launch_rope(p, main_);
 }
 
+// One launch where the head fits a warp's registers and the rotation covers it (Qwen3); otherwise
+// the three calls it stands for.
+void CudaBackend::head_norm_rope(Tensor x, int q_heads, int kv_heads, int head_dim, const Tensor& q_norm,
+                                 const Tensor& k_norm, float eps, const RopeTable& rope) {
+  if (!cuda::head_norm_rope_supported(head_dim, rope.rot_dim, rope.interleaved))
+    return Backend::head_norm_rope(x, q_heads, kv_heads, head_dim, q_norm, k_norm, eps, rope);
+  MOELORA_CHECK_MSG(x.cols() == int64_t{q_heads + kv_heads} * head_dim && q_norm.numel() == head_dim &&
+                        k_norm.numel() == head_dim,
+                    "head_norm_rope: x {} for {} + {} heads of {}", x.shape_string(), q_heads, kv_heads, head_dim);
+  cuda::HeadNormRopeParams p;
+  p.x = act(x);
+  p.ld_x = x.ld();
+  p.T = static_cast<int>(x.rows());
+  p.q_heads = q_heads;
+  p.kv_heads = kv_heads;
+  p.head_dim = head_dim;
+  p.q_norm = act(q_norm);
+  p.k_norm = act(k_norm);
+  p.eps = eps;
+  p.positions = meta_->positions;
+  p.inv_freq = device_inv_freq(rope);
+  p.attention_factor = rope.attention_factor;
+  cuda::launch_head_norm_rope(p, main_);
+}
+
 void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, KvLayer& kv, int heads, float scale,
                             Tensor out) {
   MOELORA_CHECK_MSG(cuda_plan::attention_head_dims_supported(kv.k_head_dim, kv.v_head_dim),

@@ -146,6 +146,21 @@ __global__ void rmsnorm_block_kernel(RmsNormParams p, bool vec) {
 }
 
 // ---- RoPE: one thread per (token, pair); cos/sin computed once and applied to every head.
+// The rotation of one pair, with explicit roundings (no contraction left to the compiler), so that
+// rope_kernel and head_norm_rope_kernel give the same bits.
+__device__ __forceinline__ void rope_pair(float x1, float x2, float c, float s, bf16* o1, bf16* o2) {
+  *o1 = __float2bfloat16(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+  *o2 = __float2bfloat16(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+}
+// cos and sin of pair i at position pos, times the attention factor (as transformers: f32 angle).
+__device__ __forceinline__ void rope_cos_sin(int32_t pos, float inv_freq, float factor, float* c, float* s) {
+  // Same f32 product as transformers; sincosf is the accurate (non-intrinsic) version.
+  const float angle = static_cast<float>(pos) * inv_freq;
+  sincosf(angle, s, c);
+  *c *= factor;
+  *s *= factor;
+}
+
 __global__ void rope_kernel(RopeParams p) {
   pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
   pdl_trigger();
@@ -154,20 +169,59 @@ __global__ void rope_kernel(RopeParams p) {
   if (idx >= static_cast<int64_t>(p.T) * half) return;
   const int64_t t = idx / half;
   const int i = static_cast<int>(idx % half);
-  // Same f32 product as transformers; sincosf is the accurate (non-intrinsic) version.
-  const float angle = static_cast<float>(p.positions[t]) * p.inv_freq[i];
   float s, c;
-  sincosf(angle, &s, &c);
-  c *= p.attention_factor;
-  s *= p.attention_factor;
+  rope_cos_sin(p.positions[t], p.inv_freq[i], p.attention_factor, &c, &s);
   const int o1 = p.interleaved ? 2 * i : i;
   const int o2 = p.interleaved ? 2 * i + 1 : i + half;
   bf16* row = p.x + t * p.ld_x + p.rot_offset;
   for (int h = 0; h < p.heads; ++h) {
     bf16* base = row + static_cast<int64_t>(h) * p.head_stride;
-    const float x1 = __bfloat162float(base[o1]), x2 = __bfloat162float(base[o2]);
-    base[o1] = __float2bfloat16(x1 * c - x2 * s);
-    base[o2] = __float2bfloat16(x2 * c + x1 * s);
+    rope_pair(__bfloat162float(base[o1]), __bfloat162float(base[o2]), c, s, base + o1, base + o2);
+  }
+}
+
+// ---- Per-head RMSNorm then RoPE: one warp per (token, head); lane l holds elements l + 32 j.
+// The norm is rmsnorm_warp_kernel's (same sums in the same order, same bf16 rounding of the
+// output); the neox partner of element l + 32 j (< head_dim / 2) is l + 32 (j + head_dim / 64),
+// in the same lane, so the rotation needs no exchange.
+constexpr int kHeadNormRopeMaxDim = 256;
+
+template <int D>  // head_dim: every register index a compile-time constant
+__global__ void head_norm_rope_kernel(HeadNormRopeParams p) {
+  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_trigger();
+  static_assert(D % 64 == 0 && D <= kHeadNormRopeMaxDim, "head_dim");
+  constexpr int kHalf = D / 2, kJn = D / 32, kJh = kHalf / 32;
+  const int heads = p.q_heads + p.kv_heads;
+  const int64_t gid = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (gid >= static_cast<int64_t>(p.T) * heads) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t t = gid / heads;
+  const int h = static_cast<int>(gid % heads);
+  bf16* x = p.x + t * p.ld_x + static_cast<int64_t>(h) * D;
+  const bf16* w = h < p.q_heads ? p.q_norm : p.k_norm;
+  // The sums in rmsnorm_warp_kernel's order: its 8 slots per lane, the unused ones adding +0.
+  float v[kJn];
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kJn; ++j) {
+    v[j] = __bfloat162float(x[lane + 32 * j]);
+    ss += v[j] * v[j];
+  }
+#pragma unroll
+  for (int j = kJn; j < kHeadNormRopeMaxDim / 32; ++j) ss += 0.0f * 0.0f;
+  ss = warp_sum(ss);
+  const float inv = 1.0f / sqrtf(ss / D + p.eps);
+#pragma unroll
+  for (int j = 0; j < kJn; ++j)  // the normed head as rmsnorm stores it
+    v[j] = __bfloat162float(__float2bfloat16(v[j] * inv * __bfloat162float(w[lane + 32 * j])));
+  const int32_t pos = p.positions[t];
+#pragma unroll
+  for (int j = 0; j < kJh; ++j) {
+    const int i = lane + 32 * j;
+    float c, s;
+    rope_cos_sin(pos, p.inv_freq[i], p.attention_factor, &c, &s);
+    rope_pair(v[j], v[j + kJh], c, s, x + i, x + i + kHalf);
   }
 }
 
@@ -320,6 +374,25 @@ void launch_rope(const RopeParams& p, cudaStream_t stream) {
   if (p.T == 0 || p.rot_dim == 0) return;
   const int64_t n = static_cast<int64_t>(p.T) * (p.rot_dim / 2);
   launch_pdl(rope_kernel, dim3(static_cast<unsigned>(ceil_div64(n, 128))), dim3(128), 0, stream, p);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+bool head_norm_rope_supported(int head_dim, int rot_dim, bool interleaved) {
+  return !interleaved && rot_dim == head_dim && head_dim % 64 == 0 && head_dim <= kHeadNormRopeMaxDim;
+}
+
+void launch_head_norm_rope(const HeadNormRopeParams& p, cudaStream_t stream) {
+  MOELORA_CHECK_MSG(head_norm_rope_supported(p.head_dim, p.head_dim, false) && p.q_norm && p.k_norm,
+                    "head_norm_rope: head_dim {} (a multiple of 64 up to {})", p.head_dim, kHeadNormRopeMaxDim);
+  if (p.T == 0) return;
+  const int64_t warps = static_cast<int64_t>(p.T) * (p.q_heads + p.kv_heads);
+  const dim3 grid(static_cast<unsigned>(ceil_div64(warps, 4))), block(128);
+  switch (p.head_dim) {
+    case 64: launch_pdl(head_norm_rope_kernel<64>, grid, block, 0, stream, p); break;
+    case 128: launch_pdl(head_norm_rope_kernel<128>, grid, block, 0, stream, p); break;
+    case 192: launch_pdl(head_norm_rope_kernel<192>, grid, block, 0, stream, p); break;
+    default: launch_pdl(head_norm_rope_kernel<256>, grid, block, 0, stream, p); break;
+  }
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 

@@ -69,6 +69,27 @@ struct RopeParams {
 };
 void launch_rope(const RopeParams& p, cudaStream_t stream);
 
+// Qwen3's per-head q/k norms and the rotation after them in one pass (Backend::head_norm_rope), on
+// the adjacent q | k columns of a fused projection: heads [0, q_heads) use q_norm, the next
+// kv_heads k_norm; each head's normed values are rounded to bf16 and then rotated (neox pairs over
+// the whole head) exactly as launch_rmsnorm then launch_rope do, bit for bit. One warp per
+// (token, head), the head in registers: head_dim a multiple of 64, at most 256
+// (head_norm_rope_supported).
+struct HeadNormRopeParams {
+  __nv_bfloat16* x = nullptr;  // [T, (q_heads + kv_heads) * head_dim], in place
+  int64_t ld_x = 0;
+  int T = 0;
+  int q_heads = 0, kv_heads = 0, head_dim = 0;
+  const __nv_bfloat16* q_norm = nullptr;  // [head_dim]
+  const __nv_bfloat16* k_norm = nullptr;  // [head_dim]
+  float eps = 1e-6f;
+  const int32_t* positions = nullptr;  // [T] device
+  const float* inv_freq = nullptr;     // [head_dim / 2] device
+  float attention_factor = 1.0f;
+};
+bool head_norm_rope_supported(int head_dim, int rot_dim, bool interleaved);
+void launch_head_norm_rope(const HeadNormRopeParams& p, cudaStream_t stream);
+
 // out[t, i] = silu(gate[t, i]) * up[t, i] (gate and up usually column halves of one tensor).
 struct SiluMulParams {
   const __nv_bfloat16* gate = nullptr;
