@@ -2,6 +2,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include "backends/cpu/cpu_backend.h"
 #include "io/checkpoint.h"
@@ -32,6 +35,27 @@ TEST(ModelConfig, HubAndTransformers5SpellingsAgree) {
   EXPECT_EQ(b->rope.theta, 5000.0);
   EXPECT_EQ(a->layer_is_moe, (std::vector<bool>{true, false}));
   EXPECT_EQ(b->layer_is_moe, (std::vector<bool>{true, false}));
+}
+
+// The benchmark configs (bench/configs) are what `moelora bench` and the H200 records use: each one
+// parses, and each declares the weight format its file name says.
+TEST(ModelConfig, EveryBenchConfigParsesWithItsWeightFormat) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(std::string(MOELORA_SOURCE_DIR) + "/bench/configs")) {
+    if (e.path().extension() != ".json") continue;
+    std::ifstream f(e.path());
+    std::stringstream text;
+    text << f.rdbuf();
+    const std::string name = e.path().filename().string();
+    auto cfg = parse_model_config(text.str(), name);
+    ASSERT_TRUE(cfg.ok()) << name << ": " << cfg.status().message();
+    if (name.find("nvfp4") != std::string::npos)
+      EXPECT_TRUE(cfg->weight_format.is_nvfp4()) << name;
+    else if (name.find("fp8") != std::string::npos)
+      EXPECT_TRUE(cfg->weight_format.is_fp8()) << name;
+    ++n;
+  }
+  EXPECT_GE(n, 5);
 }
 
 TEST(ModelConfig, UnknownModelTypeNamesTheSupportedOnes) {
