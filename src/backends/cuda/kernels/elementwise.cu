@@ -68,7 +68,8 @@ __global__ void rmsnorm_warp_kernel(RmsNormParams p) {
     ss += v[j] * v[j];
   }
   ss = warp_sum(ss);
-  const float inv = 1.0f / sqrtf(ss / p.group + p.eps);
+  // Explicit roundings (no contraction into an FMA): head_norm_rope_kernel computes the same bits.
+  const float inv = 1.0f / sqrtf(__fadd_rn(__fdiv_rn(ss, static_cast<float>(p.group)), p.eps));
   bf16* y = p.out + t * p.ld_out + g0;
 #pragma unroll
   for (int j = 0; j < kSmallGroupMax / 32; ++j) {
@@ -211,7 +212,7 @@ __global__ void head_norm_rope_kernel(HeadNormRopeParams p) {
 #pragma unroll
   for (int j = kJn; j < kHeadNormRopeMaxDim / 32; ++j) ss += 0.0f * 0.0f;
   ss = warp_sum(ss);
-  const float inv = 1.0f / sqrtf(ss / D + p.eps);
+  const float inv = 1.0f / sqrtf(__fadd_rn(__fdiv_rn(ss, static_cast<float>(D)), p.eps));
 #pragma unroll
   for (int j = 0; j < kJn; ++j)  // the normed head as rmsnorm stores it
     v[j] = __bfloat162float(__float2bfloat16(v[j] * inv * __bfloat162float(w[lane + 32 * j])));
