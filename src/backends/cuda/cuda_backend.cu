@@ -102,27 +102,29 @@ Tensor CudaBackend::upload(const Tensor& host, DType dtype) {
 }
 
 // FP8 stays FP8 (the kernels read it with its block scales); dense weights become bf16. NVFP4
-// routed experts stay 4-bit where the grouped GEMMs' 4-bit layout takes their shape
-// (keeps_nvfp4_experts); every other NVFP4 weight is dequantised on the host (e2m1 x e4m3 x
-// global, f32) and served as bf16: exact to one bf16 rounding, at 16-bit bandwidth (docs/gpu.md).
+// stays 4-bit wherever a 4-bit kernel takes the shape (nvfp4_experts_ok, nvfp4_linear_ok); other
+// NVFP4 weights are dequantised on the host (e2m1 x e4m3 x global, f32) and served as bf16: exact to
+// one bf16 rounding, at 16-bit bandwidth (docs/gpu.md).
 namespace {
 Tensor dense_source(const StoredWeight& w) { return w.format.is_nvfp4() ? dequantize_to_f32(w) : w.data; }
 
-// An expert part (gate [I, H], up [I, H] or down [H, I]) of NVFP4 experts the 4-bit MoE GEMMs take:
-// both H and I in whole 64-wide chunks (the layout's 16-row tiles follow).
-bool keeps_nvfp4_experts(const StoredWeight& w) {
-  return w.format.is_nvfp4() && w.format.block_in == cuda_plan::kNvfp4Group && cuda_plan::moe_mma_shape_ok(w.in, w.out);
+// NVFP4 experts the 4-bit MoE GEMMs take: H and I in whole 64-wide chunks (the layout's 16-row
+// tiles follow).
+bool nvfp4_experts_ok(const WeightFormat& f, int H, int I) {
+  return f.is_nvfp4() && f.block_in == cuda_plan::kNvfp4Group && cuda_plan::moe_mma_shape_ok(H, I);
 }
+// A dense NVFP4 projection the small-M kernel takes 4-bit.
+bool nvfp4_linear_ok(const WeightFormat& f, int in) {
+  return f.is_nvfp4() && f.block_in == cuda_plan::kNvfp4Group && in % cuda_plan::kDenseSmallMInMultiple == 0;
+}
+// An expert part (gate [I, H], up [I, H] or down [H, I]): the test is symmetric in H and I.
+bool keeps_nvfp4_experts(const StoredWeight& w) { return nvfp4_experts_ok(w.format, w.in, w.out); }
+bool keeps_nvfp4_linear(const StoredWeight& w) { return nvfp4_linear_ok(w.format, w.in); }
 
-// Bytes of the 4-bit form of one part: codes, group scales, one global scale.
+// Bytes of the 4-bit form of one expert part: codes, group scales, one global scale.
 size_t nvfp4_expert_part_bytes(const StoredWeight& w) {
   const size_t n = static_cast<size_t>(w.out) * w.in;
   return n / 2 + n / cuda_plan::kNvfp4Group + sizeof(float);
-}
-
-// A dense NVFP4 weight the small-M kernel takes 4-bit (its lanes read 32-value runs of a row).
-bool keeps_nvfp4_linear(const StoredWeight& w) {
-  return w.format.is_nvfp4() && w.format.block_in == cuda_plan::kNvfp4Group && w.in % 32 == 0;
 }
 }  // namespace
 
@@ -132,11 +134,11 @@ size_t CudaBackend::upload_bytes(DType dtype, int64_t numel) const {
   return (bytes + 255) / 256 * 256;
 }
 
-// Absorbed MLA's kv_b copies (mla_absorbed_weights), made in the first step.
 size_t CudaBackend::expert_part_bytes(const StoredWeight& w) const {
   return keeps_nvfp4_experts(w) ? nvfp4_expert_part_bytes(w) : linear_bytes(w);
 }
 
+// Absorbed MLA's kv_b copies (mla_absorbed_weights), made in the first step.
 size_t CudaBackend::derived_weight_bytes(const ModelShapes& s) const {
   if (s.kv_lora_rank <= 0 || !s.mla_absorbed) return 0;
   return cuda_plan::mla_absorbed_weight_bytes(s.num_layers, s.heads, s.k_head_dim - s.rope_dim, s.v_head_dim,
@@ -166,18 +168,10 @@ LinearWeight CudaBackend::upload_linear(const StoredWeight& sw) {
     // Codes in the kernels' order, group scales as stored ([out, in / 16]), the global scale
     // times 2^26 on every row (fused parts keep their own).
     MOELORA_CHECK(sw.data.contiguous() && sw.scale.contiguous());
-    const int64_t n = int64_t{sw.out} * sw.in;
-    std::vector<uint8_t> codes(n / 2);
+    std::vector<uint8_t> codes(int64_t{sw.out} * sw.in / 2);
     cuda_plan::nvfp4_pack_codes(sw.data.ptr<uint8_t>(), sw.out, sw.in, codes.data());
-    const std::vector<float> global(sw.out, sw.global_scale * cuda_plan::kNvfp4GlobalFactor);
-    lw.w = device_tensor(DType::kU8, {sw.out, sw.in / 2});
-    lw.group_scale = device_tensor(DType::kU8, {n / cuda_plan::kNvfp4Group});
-    lw.global_scale = device_tensor(DType::kF32, {sw.out});
-    MOELORA_CUDA_CHECK(cudaMemcpy(lw.w.data(), codes.data(), codes.size(), cudaMemcpyHostToDevice));
-    MOELORA_CUDA_CHECK(cudaMemcpy(lw.group_scale.data(), sw.scale.data(), n / cuda_plan::kNvfp4Group,
-                                  cudaMemcpyHostToDevice));
-    MOELORA_CUDA_CHECK(cudaMemcpy(lw.global_scale.data(), global.data(), global.size() * sizeof(float),
-                                  cudaMemcpyHostToDevice));
+    lw = nvfp4_device_weight(sw.out, sw.in, codes, sw.scale.ptr<uint8_t>(),
+                             std::vector<float>(sw.out, sw.global_scale * cuda_plan::kNvfp4GlobalFactor));
   } else {
     lw.w = upload(dense_source(sw), DType::kBF16);
   }
@@ -221,6 +215,25 @@ LinearWeight CudaBackend::fuse_linear_rows(const std::vector<const LinearWeight*
     s_off += p->scale_inv.nbytes();
   }
   return f;
+}
+
+// A 4-bit weight on the device from its host arrays, already in the kernels' order: codes
+// [rows, cols / 2], group scales (rows * cols / 16 bytes), global scales (times 2^26).
+LinearWeight CudaBackend::nvfp4_device_weight(int64_t rows, int cols, const std::vector<uint8_t>& codes,
+                                              const uint8_t* group_scales, const std::vector<float>& globals) {
+  const int64_t scale_bytes = rows * (cols / cuda_plan::kNvfp4Group);
+  MOELORA_CHECK(static_cast<int64_t>(codes.size()) == rows * (cols / 2));
+  LinearWeight lw;
+  lw.out = static_cast<int>(rows);
+  lw.in = cols;
+  lw.w = device_tensor(DType::kU8, {rows, cols / 2});
+  lw.group_scale = device_tensor(DType::kU8, {scale_bytes});
+  lw.global_scale = device_tensor(DType::kF32, {static_cast<int64_t>(globals.size())});
+  MOELORA_CUDA_CHECK(cudaMemcpy(lw.w.data(), codes.data(), codes.size(), cudaMemcpyHostToDevice));
+  MOELORA_CUDA_CHECK(cudaMemcpy(lw.group_scale.data(), group_scales, scale_bytes, cudaMemcpyHostToDevice));
+  MOELORA_CUDA_CHECK(
+      cudaMemcpy(lw.global_scale.data(), globals.data(), globals.size() * sizeof(float), cudaMemcpyHostToDevice));
+  return lw;
 }
 
 // NVFP4 parts (upload_linear's 4-bit form): their rows of codes, group scales and per-row global
@@ -344,17 +357,7 @@ ExpertWeights CudaBackend::upload_nvfp4_experts(const std::vector<StoredWeight>&
         r += rows;
       }
     cuda_plan::nvfp4_pack_scales(scales.data(), total, cols, packed.data());
-    LinearWeight lw;
-    lw.out = static_cast<int>(total);
-    lw.in = cols;
-    lw.w = device_tensor(DType::kU8, {total, code_row});
-    lw.group_scale = device_tensor(DType::kU8, {total * scale_row});
-    lw.global_scale = device_tensor(DType::kF32, {static_cast<int64_t>(globals.size())});
-    MOELORA_CUDA_CHECK(cudaMemcpy(lw.w.data(), codes.data(), codes.size(), cudaMemcpyHostToDevice));
-    MOELORA_CUDA_CHECK(cudaMemcpy(lw.group_scale.data(), packed.data(), packed.size(), cudaMemcpyHostToDevice));
-    MOELORA_CUDA_CHECK(
-        cudaMemcpy(lw.global_scale.data(), globals.data(), globals.size() * sizeof(float), cudaMemcpyHostToDevice));
-    return lw;
+    return nvfp4_device_weight(total, cols, codes, packed.data(), globals);
   };
   ExpertWeights ew;
   ew.num_experts = E;
@@ -385,40 +388,36 @@ Tensor CudaBackend::random_tensor(DType dtype, const std::vector<int64_t>& shape
   return t;
 }
 
-// NVFP4 experts for `bench --random-weights`: random codes (any byte is two e2m1 codes), random
-// e4m3 group scales (any finite code, up to 448) and global scales that keep weights ~1e-2 like
-// trained ones: |e2m1 * e4m3| <= 2688, times 2^-26 in the kernels, times the stored global.
-// A dense NVFP4 projection in upload_linear's 4-bit form: random codes and e4m3 group scales, a
-// global scale per row keeping weights ~1e-2 (as random_experts).
-LinearWeight CudaBackend::random_linear(int out, int in, const WeightFormat& fmt, uint64_t seed) {
-  if (!fmt.is_nvfp4() || fmt.block_in != cuda_plan::kNvfp4Group || in % 32 != 0) return {};
+// NVFP4 weights for `bench --random-weights`, in the 4-bit forms above: random codes (any byte is
+// two e2m1 codes), random e4m3 group scales (any finite code, up to 448) and `globals` global
+// scales that keep weights ~1e-2 like trained ones (|e2m1 * e4m3| <= 2688, times 2^-26 in the
+// kernels, times the stored global). The layout of random values does not matter; the sizes do.
+LinearWeight CudaBackend::random_nvfp4_weight(int64_t rows, int cols, int64_t globals, uint64_t& seed) {
   LinearWeight w;
-  w.out = out;
-  w.in = in;
-  w.w = random_tensor(DType::kU8, {out, in / 2}, ++seed, 1.0f);
-  w.group_scale = random_tensor(DType::kU8, {int64_t{out} * (in / cuda_plan::kNvfp4Group)}, ++seed, 1.0f);
-  w.global_scale = random_tensor(DType::kF32, {out}, ++seed, 4e-6f * cuda_plan::kNvfp4GlobalFactor);
+  w.out = static_cast<int>(rows);
+  w.in = cols;
+  w.w = random_tensor(DType::kU8, {rows, cols / 2}, ++seed, 1.0f);
+  w.group_scale = random_tensor(DType::kU8, {rows * (cols / cuda_plan::kNvfp4Group)}, ++seed, 1.0f);
+  w.global_scale = random_tensor(DType::kF32, {globals}, ++seed, 4e-6f * cuda_plan::kNvfp4GlobalFactor);
   return w;
 }
 
+// A dense projection: a global scale per row, as upload_linear keeps them.
+LinearWeight CudaBackend::random_linear(int out, int in, const WeightFormat& fmt, uint64_t seed) {
+  if (!nvfp4_linear_ok(fmt, in)) return {};
+  return random_nvfp4_weight(out, in, out, seed);
+}
+
+// Experts: a global scale per expert and part, as upload_nvfp4_experts keeps them.
 ExpertWeights CudaBackend::random_experts(int E, int H, int I, const WeightFormat& fmt, uint64_t seed) {
-  if (!fmt.is_nvfp4() || fmt.block_in != cuda_plan::kNvfp4Group || !cuda_plan::moe_mma_shape_ok(H, I)) return {};
-  auto make = [&](int64_t rows, int64_t cols, int64_t parts) {
-    LinearWeight w;
-    w.out = static_cast<int>(rows);
-    w.in = static_cast<int>(cols);
-    w.w = random_tensor(DType::kU8, {rows, cols / 2}, ++seed, 1.0f);
-    w.group_scale = random_tensor(DType::kU8, {rows * cols / cuda_plan::kNvfp4Group}, ++seed, 1.0f);
-    w.global_scale = random_tensor(DType::kF32, {parts}, ++seed, 4e-6f * cuda_plan::kNvfp4GlobalFactor);
-    return w;
-  };
+  if (!nvfp4_experts_ok(fmt, H, I)) return {};
   ExpertWeights ew;
   ew.num_experts = E;
   ew.hidden = H;
   ew.intermediate = I;
-  ew.gate_up = make(int64_t{E} * 2 * I, H, int64_t{E} * 2);
+  ew.gate_up = random_nvfp4_weight(int64_t{E} * 2 * I, H, int64_t{E} * 2, seed);
   ew.gate_up.split_rows = I;
-  ew.down = make(int64_t{E} * H, I, E);
+  ew.down = random_nvfp4_weight(int64_t{E} * H, I, E, seed);
   return ew;
 }
 

@@ -134,6 +134,9 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return main_; }
 
  private:
+  LinearWeight nvfp4_device_weight(int64_t rows, int cols, const std::vector<uint8_t>& codes,
+                                   const uint8_t* group_scales, const std::vector<float>& globals);
+  LinearWeight random_nvfp4_weight(int64_t rows, int cols, int64_t globals, uint64_t& seed);
   LinearWeight fuse_nvfp4_rows(const std::vector<const LinearWeight*>& parts);
   ExpertWeights upload_nvfp4_experts(const std::vector<StoredWeight>& gate, const std::vector<StoredWeight>& up,
                                      const std::vector<StoredWeight>& down);

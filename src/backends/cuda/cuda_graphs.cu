@@ -137,10 +137,9 @@ const StepBatch& CudaBackend::begin_step(const StepBatch& in) {
 
 // A replayed graph reads one LoRA plan per captured LoRA launch (one to three per layer). Plans
 // depend only on the step's slots and the projections' (in, out, slot ranks), so each distinct one
-// is planned once;
-// all are staged in pinned memory at their offsets in the plan region and sent with one copy per
-// contiguous run (the region is bump-allocated in capture order; only the attention metadata sits
-// between runs). One small copy per projection cost ~2 ms of host time per decode step.
+// is planned once; all are staged in pinned memory at their offsets in the plan region and sent
+// with one copy per contiguous run (the region is bump-allocated in capture order; only the
+// attention metadata sits between runs). One small copy per projection cost ~2 ms of host time per decode step.
 void CudaBackend::replan_lora(const std::vector<LoraRecipe>& recipes) {
   if (recipes.empty()) return;
   auto aligned = [](size_t n) { return (n + 255) / 256 * 256; };

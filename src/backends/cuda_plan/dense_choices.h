@@ -18,6 +18,9 @@ enum class DenseWeights { kBf16, kFp8, kNvfp4 };
 // For NVFP4, kCublasLt means: the weight dequantised to bf16 in step scratch, then cuBLASLt's bf16
 // GEMM (no FP4 GEMM exists on Hopper).
 DensePath choose_dense_path(int M, DenseWeights w);
+// The small-M kernel's lanes read 32-value runs of a weight row: input widths it takes (others go
+// to the naive kernel; NVFP4 projections of other widths are uploaded as bf16).
+inline constexpr int kDenseSmallMInMultiple = 32;
 // NVFP4 on the cuBLASLt path: rows of the weight dequantised (and multiplied) per pass, a multiple
 // of 8 (16-byte aligned output columns) whose bf16 copy stays within kNvfp4DequantChunkBytes, so a
 // prefill step's scratch is bounded whatever the projection (DeepSeek-V3's fused dense gate|up

@@ -309,7 +309,7 @@ SmallMParams to_params(const DenseArgs& a) {
 
 bool small_m_supported(const DenseArgs& a) {
   auto aligned16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
-  return a.w.in % 32 == 0 && a.ld_x % 8 == 0 && aligned16(a.x) && aligned16(a.w.w);
+  return a.w.in % cuda_plan::kDenseSmallMInMultiple == 0 && a.ld_x % 8 == 0 && aligned16(a.x) && aligned16(a.w.w);
 }
 
 template <WeightType WT, int MT>
