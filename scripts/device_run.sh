@@ -3,8 +3,9 @@
 # scripts/device_prepare.sh). Runs the stages named as arguments (default: all), logging to $OUT
 # (QUICK=1: the bench stage skips its rank-64 and Mixtral points):
 #   ops      the op suite (every CUDA kernel vs the CPU reference)
-#   shapes   fixtures at other model shapes (needs .devpack/make_fixtures.py, the team's generator)
-#            and verify on them, CPU and CUDA (three modes, MLA both forms); archived back
+#   shapes   verify on the fixtures at other model shapes (tests/fixtures-shapes.tar.xz), CPU and
+#            CUDA (three modes, MLA both forms); REGEN=1 makes them again first (needs
+#            .devpack/make_fixtures.py, the team's generator) and sends the archive back
 #   verify   moelora verify on every public fixture: graphs + overlap, eager, overlap off
 #   bench    moelora bench (decode steps with sampling, prefill) with JSON records
 #   serve    moelora serve --backend cuda on the bundled model, driven over HTTP
@@ -45,18 +46,23 @@ for stage in $stages; do
     tar -cf $out/nvfp4_fixtures.tar tests/fixtures/*/cases.json tests/fixtures/*/expected-nvfp4.safetensors
     tar -tf $out/nvfp4_fixtures.tar ;;
   shapes)
-    # Fixtures at shapes the public ones lack (scripts/make_shape_fixtures.py: the team's generator,
-    # carried as .devpack/make_fixtures.py, with other model shapes; NVFP4 from them), then verify
-    # on them: CPU (the spec) and CUDA in its three modes, MLA in both forms. The fixtures come
-    # back as one archive to be committed under tests/fixtures-shapes.
-    echo "== shape fixtures"
+    # Fixtures at shapes the public ones lack, then verify on them: CPU (the spec) and CUDA in its
+    # three modes, MLA in both forms. They are committed as tests/fixtures-shapes.tar.xz; REGEN=1
+    # makes them again (scripts/make_shape_fixtures.py: the team's generator, carried as
+    # .devpack/make_fixtures.py, with other model shapes; NVFP4 from them) and sends the archive
+    # back in 15 MB parts ($OUT/fixtures_shapes.tar.xz.part*: the device tool's file limit).
     rm -rf tests/fixtures-shapes
-    timeout 300 python3 scripts/make_shape_fixtures.py .devpack/make_fixtures.py tests/fixtures-shapes \
-      > $out/shape_fixtures.log 2>&1; echo "exit $?"; tail -3 $out/shape_fixtures.log
-    python3 scripts/make_nvfp4_fixtures.py quantize tests/fixtures-shapes >> $out/shape_fixtures.log 2>&1
-    timeout 200 python3 scripts/make_nvfp4_fixtures.py references tests/fixtures-shapes >> $out/shape_fixtures.log 2>&1
-    echo "nvfp4 exit $?"; tail -3 $out/shape_fixtures.log
-    tar -cf $out/fixtures_shapes.tar tests/fixtures-shapes
+    if [ "${REGEN:-0}" = 1 ] || [ ! -f tests/fixtures-shapes.tar.xz ]; then
+      echo "== shape fixtures"
+      timeout 300 python3 scripts/make_shape_fixtures.py .devpack/make_fixtures.py tests/fixtures-shapes \
+        > $out/shape_fixtures.log 2>&1; echo "exit $?"; tail -3 $out/shape_fixtures.log
+      python3 scripts/make_nvfp4_fixtures.py quantize tests/fixtures-shapes >> $out/shape_fixtures.log 2>&1
+      timeout 200 python3 scripts/make_nvfp4_fixtures.py references tests/fixtures-shapes >> $out/shape_fixtures.log 2>&1
+      echo "nvfp4 exit $?"; tail -3 $out/shape_fixtures.log
+      tar -cf - tests/fixtures-shapes | xz -6 -T0 | split -b 15M - $out/fixtures_shapes.tar.xz.part
+    else
+      tar -xJf tests/fixtures-shapes.tar.xz
+    fi
     timeout 200 $bin verify --fixtures tests/fixtures-shapes --backend cpu > $out/verify_shapes_cpu.log 2>&1
     echo "cpu exit $?"; grep "all cases" $out/verify_shapes_cpu.log; tail -1 $out/verify_shapes_cpu.log
     for mode in "" "--no-graphs" "--no-overlap" "--mla decompressed"; do
@@ -66,9 +72,16 @@ for stage in $stages; do
       grep "all cases" $log; tail -1 $log
     done ;;
   ops)
-    echo "== op suite"
-    timeout 300 ./.device/moelora_op_suite --gtest_brief=1 > $out/op_suite.log 2>&1; echo "exit $?"
-    grep -E "FAILED|PASSED|Failure" $out/op_suite.log | head -20; tail -3 $out/op_suite.log ;;
+    # Three gtest shards side by side: the CPU references dominate the suite's time (576 cases in
+    # 205 s this way on 2026-12-05; one process overran 300 s). Each shard logs in full.
+    echo "== op suite (3 shards)"
+    pids=""
+    for i in 0 1 2; do
+      GTEST_TOTAL_SHARDS=3 GTEST_SHARD_INDEX=$i timeout 450 ./.device/moelora_op_suite > $out/op_suite_shard$i.log 2>&1 &
+      pids="$pids $!"
+    done
+    for p in $pids; do wait $p; echo "shard exit $?"; done
+    grep -hE "^\[==========\] .* ran|^\[  PASSED|^\[  FAILED" $out/op_suite_shard*.log | head -40 ;;
   verify)
     for mode in "" "--no-graphs" "--no-overlap"; do
       log=$out/verify_cuda${mode//-/_}.log

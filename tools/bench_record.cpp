@@ -4,15 +4,11 @@
 #include <ctime>
 #include <fstream>
 
+#include "moelora_git_commit.h"  // generated at build time (cmake/GitCommit.cmake)
+
 namespace moelora::tools {
 
-std::string build_commit() {
-#ifdef MOELORA_GIT_COMMIT
-  return MOELORA_GIT_COMMIT;
-#else
-  return "unknown";
-#endif
-}
+std::string build_commit() { return MOELORA_GIT_COMMIT; }
 
 std::string utc_date() {
   const std::time_t now = std::time(nullptr);
