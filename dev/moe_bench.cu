@@ -13,6 +13,7 @@
 //   v4: v3 with the LoRA kernels on the main stream (PDL chain, no events)
 // plus a sweep of the GEMM tile (8/16/32/64 tokens) x FP8 regime (W8A16 / W8A8) at the larger
 // batches. `dev_moe_bench regimes` runs only the checks, that sweep and the prefill shapes;
+// `dev_moe_bench lora` the gate_up LoRA expand in the GEMM epilogue against its own kernel;
 // `dev_moe_bench nvfp4` the same layer with NVFP4 experts (the 4-bit mma.sync variant) against
 // the CPU reference, its own 4-bit floor and the FP8 layer.
 #include <cstdio>
@@ -46,6 +47,7 @@ struct Version {
   int act8 = -1;  // -1: the heuristic's FP8 regime; 0: W8A16; 1: W8A8
   int wgmma = -1;  // -1: the heuristic's kernel; 0: mma.sync; 1: the Hopper TMA + wgmma GEMM
   int split = -1;  // wgmma W8A16: -1 the heuristic's; 0 weights dequantised; 1 split-form activations
+  int lora_gemm = -1;  // gate_up LoRA expand: -1 the heuristic's; 0 its own kernel; 1 in the GEMM epilogue
 };
 const Version kV1{"v1", false, false}, kV2{"v2", true, true}, kV3{"v3", true, true, true},
     kV4{"v4", true, true, true, -1, true};
@@ -145,6 +147,7 @@ struct Bench {
     if (v.wgmma >= 0) a.tuning->wgmma = v.wgmma == 1;
     else if (a.tuning->act_fp8) a.tuning->wgmma = false;  // a forced W8A8 version on the mma.sync kernels
     if (v.split >= 0) a.tuning->act_split = v.split == 1;
+    if (v.lora_gemm >= 0) a.tuning->lora_in_gemm = v.lora_gemm == 1;
     MoeStreams st{s, v.one_stream ? nullptr : side, ev[0], ev[1], ev[2], ev[3]};
     moe_forward_prefix(a, ws, st, last);
   }
@@ -352,6 +355,49 @@ bool split_mode(Bench& b, int ncopies, double bw) {
   return ok;
 }
 
+// `dev_moe_bench lora`: the gate_up LoRA expand in the GEMM epilogue (MoeTuning::lora_in_gemm)
+// against its own kernel on the side stream: bit for bit at every T and tile the heuristic picks,
+// the CPU reference up to 64 tokens, then both timed at every batch with 1 and 8 adapters.
+bool lora_mode(Bench& b, int ncopies, double bw) {
+  Version in_gemm = kV2, separate = kV2;
+  in_gemm.lora_gemm = 1;
+  separate.lora_gemm = 0;
+  Version in_gemm_1s = in_gemm;  // every LoRA kernel on the main stream: no event joins
+  in_gemm_1s.one_stream = true;
+  bool ok = true;
+  for (int T : {1, 3, 8, 64, 256})
+    for (int adapters : {1, 8}) {
+      b.launch(nullptr, 0, T, in_gemm, adapters);
+      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto out = b.out_of(0, T);
+      b.launch(nullptr, 0, T, separate, adapters);
+      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto ref = b.out_of(0, T);
+      size_t diff = 0;
+      for (size_t i = 0; i < out.size(); ++i) diff += out[i] != ref[i];
+      const double vs_cpu = T <= 64 && adapters == 8 ? worst_vs_cpu(b, T, adapters, out) : 0.0;
+      const bool pass = diff == 0 && vs_cpu <= 1e-2;
+      ok &= pass;
+      std::printf("check lora in gemm, %d adapters, T=%3d: %zu elements differ from the expand kernel's; vs CPU %.2e %s\n",
+                  adapters, T, diff, vs_cpu, pass ? "ok" : "FAIL");
+    }
+  std::printf("checks %s\n", ok ? "passed" : "FAILED");
+  std::printf("\nMoE LoRA r=%d, graph replay, %d copies, median of 30, us (copy bandwidth %.0f GB/s)\n"
+              "   T |   base | 1 ad: expand kernel | in gemm | 8 ad: expand kernel | in gemm | in gemm, 1 stream\n", kRank, ncopies, bw);
+  for (int T : kTokens) {
+    auto timed = [&](const Version& v, int adapters) {
+      return time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, v, adapters); }, ncopies, 30);
+    };
+    const double base = timed(kV2, 0);
+    const double s1 = timed(separate, 1), g1 = timed(in_gemm, 1), s8 = timed(separate, 8), g8 = timed(in_gemm, 8);
+    const double o8 = timed(in_gemm_1s, 8);
+    std::printf("%4d | %6.1f | %6.1f (+%4.1f%%) | %6.1f (+%4.1f%%) | %6.1f (+%4.1f%%) | %6.1f (+%4.1f%%) | %6.1f (+%4.1f%%)\n",
+                T, base, s1, 100.0 * (s1 / base - 1.0), g1, 100.0 * (g1 / base - 1.0), s8, 100.0 * (s8 / base - 1.0), g8,
+                100.0 * (g8 / base - 1.0), o8, 100.0 * (o8 / base - 1.0));
+  }
+  return ok;
+}
+
 // `dev_moe_bench nvfp4`: NVFP4 experts (W4A16 on the mma.sync kernels) against the CPU reference
 // at every tile, then timed per tile against their own floor (touched experts' 4-bit codes and
 // e4m3 group scales over the copy bandwidth) and the FP8 layer's default (`b8`), base and LoRA.
@@ -426,6 +472,7 @@ int main(int argc, char** argv) {
   b.init(ncopies);
   if (argc > 1 && std::string(argv[1]) == "wgmma") return wgmma_mode(b, ncopies, bw) ? 0 : 1;
   if (argc > 1 && std::string(argv[1]) == "split") return split_mode(b, ncopies, bw) ? 0 : 1;
+  if (argc > 1 && std::string(argv[1]) == "lora") return lora_mode(b, ncopies, bw) ? 0 : 1;
   if (argc > 1 && std::string(argv[1]) == "nvfp4") {
     Bench b4;
     b4.init(ncopies, /*nvfp4=*/true);

@@ -44,6 +44,7 @@ class DeviceArray {
   explicit DeviceArray(size_t n) : n_(n) {
     MOELORA_CUDA_CHECK(cudaMalloc(&p_, alloc_bytes()));
     MOELORA_CUDA_CHECK(cudaMemset(p_, kPoison, alloc_bytes()));
+    settle();
   }
   explicit DeviceArray(const std::vector<T>& host) : DeviceArray(host.size()) { upload(host); }
   ~DeviceArray() {
@@ -70,6 +71,7 @@ class DeviceArray {
     MOELORA_CHECK(host.size() <= n_);
     if (!host.empty())
       MOELORA_CUDA_CHECK(cudaMemcpy(p_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+    settle();
   }
   // The whole payload, or its first `count` elements.
   std::vector<T> download() const { return download(n_); }
@@ -78,11 +80,15 @@ class DeviceArray {
     return gpukit::download(p_, count);
   }
   // Fills the payload with a byte pattern (poison before a kernel writes it; the guard keeps kPoison).
-  void poison(uint8_t byte = kPoison) { MOELORA_CUDA_CHECK(cudaMemset(p_, byte, bytes())); }
+  void poison(uint8_t byte = kPoison) {
+    MOELORA_CUDA_CHECK(cudaMemset(p_, byte, bytes()));
+    settle();
+  }
   // Another array with the same payload at another address (workbench rotation copies).
   DeviceArray clone() const {
     DeviceArray c(n_);
     if (n_) MOELORA_CUDA_CHECK(cudaMemcpy(c.p_, p_, bytes(), cudaMemcpyDeviceToDevice));
+    settle();
     return c;
   }
   // True when the guard region still holds the poison pattern.
@@ -96,6 +102,12 @@ class DeviceArray {
   }
 
  private:
+  // cudaMemset is asynchronous to the host on the legacy stream, and a pageable cudaMemcpy to the
+  // device may return before its DMA lands: kernels the tests launch on their own non-blocking
+  // streams do not wait for either. On 2026-12-05 the first fused-routing MoE case of each op-suite
+  // shard found every router id poisoned (a late poison memset is the likely cause; the same cases
+  // passed later in a process). So every write settles before the test goes on.
+  static void settle() { MOELORA_CUDA_CHECK(cudaDeviceSynchronize()); }
   // The guard plus 16 bytes of slack, the layout the op suite's buffers always had.
   size_t alloc_bytes() const { return (n_ + kGuard) * sizeof(T) + 16; }
 

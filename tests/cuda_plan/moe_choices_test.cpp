@@ -51,6 +51,9 @@ TEST(MoeChoices, DefaultsAreTheMeasuredFastestPaths) {
   const MoeTuning t = choose_moe_tuning(MoeProblem{.T = 64, .k = 8, .E = 128, .H = 2048, .I = 768});
   EXPECT_TRUE(t.pdl);
   EXPECT_FALSE(t.lora_fused);
+  EXPECT_TRUE(t.lora_in_gemm);  // 4 tokens per expert: the gate_up expand in the GEMM's epilogue
+  MoeProblem big{.T = 256, .k = 8, .E = 128, .H = 2048, .I = 768};
+  EXPECT_FALSE(choose_moe_tuning(big).lora_in_gemm);  // 16 per expert: its own kernel measured faster
 }
 
 TEST(MoeChoices, Fp8ActivationsOnlyWhenAllowedAndOnlyWhereTheyWereFaster) {

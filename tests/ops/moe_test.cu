@@ -41,6 +41,7 @@ struct MoeCase {
   int act8 = -1;                  // FP8 experts: -1 the heuristic's regime, 0 W8A16, 1 W8A8
   int wgmma = -1;                 // -1 the heuristic's GEMM kernel, 0 mma.sync, 1 TMA + wgmma (Hopper)
   int split = -1;                 // wgmma W8A16: -1 the heuristic's, 0 weights dequantised, 1 split activations
+  int lora_gemm = -1;             // gate_up LoRA expand: -1 the heuristic's, 0 its own kernel, 1 in the GEMM epilogue
 
   std::string name() const {
     std::string n = slots ? "MOE_LORA(" : "MOE(";
@@ -66,6 +67,7 @@ struct MoeCase {
     if (act8 >= 0) n += act8 ? ",w8a8" : ",w8a16";
     if (wgmma >= 0) n += wgmma ? ",wgmma" : ",mma_sync";
     if (split >= 0) n += split ? ",split" : ",dequant";
+    if (lora_gemm >= 0) n += lora_gemm ? ",lora_in_gemm" : ",lora_expand_kernel";
     return n + ")";
   }
 };
@@ -216,6 +218,7 @@ struct Harness {
     else if (a.tuning->act_fp8)
       a.tuning->wgmma = false;  // a forced W8A8 case on the heuristic's kernel: mma.sync
     if (c.split >= 0) a.tuning->act_split = c.split == 1;
+    if (c.lora_gemm >= 0) a.tuning->lora_in_gemm = c.lora_gemm == 1;
     return a;
   }
   cuda::MoeStreams streams() {
@@ -279,7 +282,7 @@ struct Harness {
       EXPECT_CLOSE_ROWS(a_got, a_ref, static_cast<int64_t>(a_got.size() / std::max(I, 1)), I, 1e-2);
     }
     if (c.slots) {
-      {
+      if (!args().tuning->lora_in_gemm) {  // else no delta buffer: the GEMM's epilogue adds it (act above)
         SCOPED_TRACE("gate_up LoRA delta");
         EXPECT_CLOSE_ROWS(dl(ws.delta_gu, P * 2 * I), ref.delta_gu, static_cast<int64_t>(P), 2 * I, 1e-2);
       }
@@ -310,6 +313,27 @@ TEST_P(MoeLayer, MatchesCpu) {
     MOELORA_CUDA_CHECK(cudaStreamSynchronize(h.main));
     MOELORA_CUDA_CHECK(cudaGetLastError());
     h.check("eager");
+    if (h.c.slots && h.c.lora_gemm < 0) {
+      // The other form of the gate_up LoRA expand (its own kernel / the GEMM epilogue) must give
+      // the same bits: same sums, same bf16 rounding of the delta.
+      const auto first = h.d_out.download();
+      const auto first_act = download(reinterpret_cast<const uint16_t*>(h.ws.act), static_cast<size_t>(h.c.T) * h.c.k * h.c.I);
+      cuda::MoeForwardArgs a = h.args();
+      a.tuning->lora_in_gemm = !a.tuning->lora_in_gemm;
+      h.poison();
+      cuda::moe_forward(a, h.ws, h.streams());
+      MOELORA_CUDA_CHECK(cudaStreamSynchronize(h.main));
+      const auto second = h.d_out.download();
+      const auto second_act = download(reinterpret_cast<const uint16_t*>(h.ws.act), first_act.size());
+      const auto ids = h.d_ids.download();
+      size_t diff = 0, diff_act = 0;
+      for (size_t i = 0; i < first.size(); ++i) diff += first[i] != second[i];
+      for (size_t p = 0; p < ids.size(); ++p)  // rows of routed pairs (others are never written)
+        if (ids[p] >= 0 && ids[p] < h.c.E)
+          for (int f = 0; f < h.c.I; ++f) diff_act += first_act[p * h.c.I + f] != second_act[p * h.c.I + f];
+      EXPECT_EQ(diff, 0u) << "gate_up LoRA expand in the GEMM vs its own kernel: output";
+      EXPECT_EQ(diff_act, 0u) << "gate_up LoRA expand in the GEMM vs its own kernel: act";
+    }
     return;
   }
   // Graph: captured once, replayed on new inputs written in place (static buffers), as the
@@ -510,6 +534,7 @@ std::vector<MoeCase> moe_cases() {
     if (c.slots) {
       MoeCase f = c;
       f.lora_fused = true;
+      f.lora_gemm = 0;  // both halves through the fused kernel
       fused.push_back(f);
     }
   v.insert(v.end(), fused.begin(), fused.end());

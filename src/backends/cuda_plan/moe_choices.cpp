@@ -10,6 +10,14 @@ namespace {
 constexpr int kFuseRouteMaxT = 8;
 constexpr int kFuseRouteMaxE = 256;  // moe_align's fused router compiles register arrays for
 constexpr int kFuseRouteMaxK = 32;   // E <= 256 and k <= 32
+// The gate_up LoRA expand in the GEMM epilogue up to this many tokens per expert. H200,
+// `dev_moe_bench lora` (2026-12-05, Qwen3-30B-A3B shapes, r 16, us, expand kernel -> in the GEMM,
+// 1 / 8 adapters): T = 1 63.1 -> 61.9 / 63.0 -> 62.0, 2 77.4 -> 74.4 / 77.3 -> 74.3, 64 240.3 ->
+// 241.0 / 272.8 -> 267.9, 128 272.2 -> 273.6 / 323.6 -> 315.8, but 256 343.1 -> 364.1 / 415.0 ->
+// 425.1: with 16 tokens per expert the epilogue's per-row reads of B cost more than the kernel
+// that reads each (slot, expert) B once for a whole tile. Between (T = 4 to 32) they are within
+// 1-3 us either way.
+constexpr double kMoeLoraInGemmMaxPerExpert = 8.0;
 }  // namespace
 
 int moe_gemm_tile_rows(MoeGemmTile t) {
@@ -49,6 +57,9 @@ MoeTuning choose_moe_tuning(const MoeProblem& p) {
   // H200 sweep but one, where they tie (bench/RESULTS.md, moe_bench v2 vs v3: T = 8, one adapter,
   // 137.9 vs 137.4 us; elsewhere the fused launch lost by up to 79 us at T = 256).
   t.lora_fused = false;
+  // The gate_up expand in the GEMM's epilogue: one launch and the [P, 2I] delta's write and read
+  // off the critical path (the delta must be complete before SwiGLU).
+  t.lora_in_gemm = static_cast<double>(p.T) * p.k / std::max(p.E, 1) <= kMoeLoraInGemmMaxPerExpert;
   t.pdl = true;
   if (!moe_mma_shape_ok(p.H, p.I)) {
     // No tensor-core tile fits: the generic kernels, in bf16 activations whatever the operator

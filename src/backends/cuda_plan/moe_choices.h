@@ -32,6 +32,9 @@ struct MoeTuning {
   MoeGemmTile tile = MoeGemmTile::kDecode8;
   bool fuse_route = true;   // route inside moe_align (one launch less)
   bool lora_fused = false;  // each LoRA half as one shrink+expand launch
+  // The gate_up half's expand inside the gate_up GEMM's epilogue (only its shrink launches, on the
+  // main stream); lora_fused then concerns the down half alone.
+  bool lora_in_gemm = false;
   bool pdl = true;          // programmatic dependent launch between consecutive kernels
   // FP8 experts only: W8A8 (activations quantised per token per 128 channels, e4m3 MMA) instead
   // of W8A16 (exact bf16 activations, weights dequantised in registers). docs/numerics.md.

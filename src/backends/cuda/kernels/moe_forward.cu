@@ -87,6 +87,51 @@ MoeLoraFusedParams fused_params(const MoeForwardArgs& a, const MoeWorkspace& ws,
   return f;
 }
 
+// One LoRA half's shrink. gate_up: u rows per pair (per-expert A) or per token (shared A) over
+// g_tiles, from x; down: u rows per pair over l_tiles, from act.
+MoeLoraShrinkParams shrink_params(const MoeForwardArgs& a, const MoeWorkspace& ws, bool gate_up, bool pdl) {
+  const MoeShape& s = a.shape;
+  MoeLoraShrinkParams sh;
+  sh.x = gate_up ? a.x : ws.act;
+  sh.ldx = gate_up ? a.ldx : s.I;
+  sh.K = gate_up ? s.H : s.I;
+  sh.x_row_div = gate_up ? s.k : 1;
+  sh.tiles = gate_up ? ws.g_tiles : ws.l_tiles;
+  sh.num_tiles = ws.counters + (gate_up ? kMoeCntLoraGuTiles : kMoeCntLoraTiles);
+  sh.max_tiles = gate_up ? ws.max_g_tiles : ws.max_l_tiles;
+  sh.sorted_pairs = ws.l_sorted;
+  sh.sorted_tokens = gate_up ? ws.t_sorted : nullptr;
+  sh.a = gate_up ? a.lora->gu_a : a.lora->d_a;
+  sh.num_slots = a.lora->num_slots;
+  sh.max_rank = a.lora->max_rank;
+  sh.u_pair = gate_up ? ws.u_gu_pair : ws.u_d;
+  sh.u_tok = gate_up ? ws.u_gu_tok : nullptr;
+  sh.ldu = ws.ldu;
+  sh.pdl = pdl;
+  return sh;
+}
+
+// One LoRA half's expand over l_tiles into its delta buffer (gate_up [P, 2I], down [P, H]).
+MoeLoraExpandParams expand_params(const MoeForwardArgs& a, const MoeWorkspace& ws, bool gate_up, bool pdl) {
+  const MoeShape& s = a.shape;
+  MoeLoraExpandParams ex;
+  ex.u_pair = gate_up ? ws.u_gu_pair : ws.u_d;
+  ex.u_tok = gate_up ? ws.u_gu_tok : nullptr;
+  ex.ldu = ws.ldu;
+  ex.top_k = s.k;
+  ex.a_stride = gate_up ? a.lora->gu_a.stride : nullptr;
+  ex.tiles = ws.l_tiles;
+  ex.num_tiles = ws.counters + kMoeCntLoraTiles;
+  ex.max_tiles = ws.max_l_tiles;
+  ex.sorted_pairs = ws.l_sorted;
+  ex.b = gate_up ? a.lora->gu_b : a.lora->d_b;
+  ex.num_slots = a.lora->num_slots;
+  ex.N = gate_up ? 2 * s.I : s.H;
+  ex.out = gate_up ? ws.delta_gu : ws.delta_d;
+  ex.pdl = pdl;
+  return ex;
+}
+
 // W8A8: rows [M, K] of `x` to e4m3 `q` [M, K] with token-major scales [M, ceil(K / 128)]; with
 // q_lo, the split form (two terms).
 void quantize_rows(const bf16* x, int64_t ldx, int M, int K, uint8_t* q, float* scales, cudaStream_t stream,
@@ -202,8 +247,13 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
   moe_align(al, M);
   if (last == MoeStage::kRouteAlign) return;
 
-  // ---- gate_up LoRA delta (side stream).
-  if (lora) {
+  // ---- gate_up LoRA. In the GEMM (tune.lora_in_gemm): only the shrink, on the main stream
+  // between moe_align and gate_up (PDL chain), whose epilogue then adds u . B itself. Otherwise
+  // shrink + expand into delta_gu on the side stream, joined before gate_up.
+  const bool gu_in_gemm = lora && tune.lora_in_gemm;
+  if (gu_in_gemm) {
+    moe_lora_shrink(shrink_params(a, ws, /*gate_up=*/true, pdl), M);
+  } else if (lora) {
     if (two_streams) {
       MOELORA_CUDA_CHECK(cudaEventRecord(st.ev_ids, M));
       MOELORA_CUDA_CHECK(cudaStreamWaitEvent(S, st.ev_ids, 0));
@@ -211,40 +261,8 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
     if (tune.lora_fused) {
       moe_lora_fused(fused_params(a, ws, /*gate_up=*/true, pdl && !two_streams), S);
     } else {
-      MoeLoraShrinkParams sh;
-      sh.x = a.x;
-      sh.ldx = a.ldx;
-      sh.K = s.H;
-      sh.x_row_div = s.k;
-      sh.tiles = ws.g_tiles;
-      sh.num_tiles = ws.counters + kMoeCntLoraGuTiles;
-      sh.max_tiles = ws.max_g_tiles;
-      sh.sorted_pairs = ws.l_sorted;
-      sh.sorted_tokens = ws.t_sorted;
-      sh.a = a.lora->gu_a;
-      sh.num_slots = a.lora->num_slots;
-      sh.max_rank = a.lora->max_rank;
-      sh.u_pair = ws.u_gu_pair;
-      sh.u_tok = ws.u_gu_tok;
-      sh.ldu = ws.ldu;
-      sh.pdl = pdl && !two_streams;  // behind moe_align on the same stream
-      moe_lora_shrink(sh, S);
-      MoeLoraExpandParams ex;
-      ex.u_pair = ws.u_gu_pair;
-      ex.u_tok = ws.u_gu_tok;
-      ex.ldu = ws.ldu;
-      ex.top_k = s.k;
-      ex.a_stride = a.lora->gu_a.stride;
-      ex.tiles = ws.l_tiles;
-      ex.num_tiles = ws.counters + kMoeCntLoraTiles;
-      ex.max_tiles = ws.max_l_tiles;
-      ex.sorted_pairs = ws.l_sorted;
-      ex.b = a.lora->gu_b;
-      ex.num_slots = a.lora->num_slots;
-      ex.N = 2 * s.I;
-      ex.out = ws.delta_gu;
-      ex.pdl = pdl;
-      moe_lora_expand(ex, S);
+      moe_lora_shrink(shrink_params(a, ws, /*gate_up=*/true, pdl && !two_streams), S);  // behind moe_align on one stream
+      moe_lora_expand(expand_params(a, ws, /*gate_up=*/true, pdl), S);
     }
     if (two_streams) {
       MOELORA_CUDA_CHECK(cudaEventRecord(st.ev_gu, S));
@@ -279,9 +297,19 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
   g.ldxq = s.H;
   g.xs = ws.xs;
   g.ldxs = H_groups;
-  g.lora_delta = lora ? ws.delta_gu : nullptr;
+  g.lora_delta = lora && !gu_in_gemm ? ws.delta_gu : nullptr;
+  if (gu_in_gemm) {
+    g.lora_gu.token_slot = a.token_slot;
+    g.lora_gu.num_slots = a.lora->num_slots;
+    g.lora_gu.top_k = s.k;
+    g.lora_gu.u_pair = ws.u_gu_pair;
+    g.lora_gu.u_tok = ws.u_gu_tok;
+    g.lora_gu.ldu = ws.ldu;
+    g.lora_gu.a_stride = a.lora->gu_a.stride;
+    g.lora_gu.b = a.lora->gu_b;
+  }
   g.act = ws.act;
-  g.pdl = pdl && !two_streams;  // an event wait precedes it with two streams
+  g.pdl = pdl && (!two_streams || gu_in_gemm);  // an event wait precedes it when the side stream made the delta
   moe_gate_up(g, M);
   if (last == MoeStage::kGateUp) return;
 
@@ -294,36 +322,9 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
     if (tune.lora_fused) {
       moe_lora_fused(fused_params(a, ws, /*gate_up=*/false, pdl && !two_streams), S);
     } else {
-      MoeLoraShrinkParams sh;
-      sh.x = ws.act;
-      sh.ldx = s.I;
-      sh.K = s.I;
-      sh.x_row_div = 1;
-      sh.tiles = ws.l_tiles;
-      sh.num_tiles = ws.counters + kMoeCntLoraTiles;
-      sh.max_tiles = ws.max_l_tiles;
-      sh.sorted_pairs = ws.l_sorted;
-      sh.a = a.lora->d_a;
-      sh.num_slots = a.lora->num_slots;
-      sh.max_rank = a.lora->max_rank;
-      sh.u_pair = ws.u_d;
-      sh.ldu = ws.ldu;
-      sh.pdl = pdl && !two_streams;  // behind gate_up on one stream; behind an event wait otherwise
-      moe_lora_shrink(sh, S);
-      MoeLoraExpandParams ex;
-      ex.u_pair = ws.u_d;
-      ex.ldu = ws.ldu;
-      ex.top_k = s.k;
-      ex.tiles = ws.l_tiles;
-      ex.num_tiles = ws.counters + kMoeCntLoraTiles;
-      ex.max_tiles = ws.max_l_tiles;
-      ex.sorted_pairs = ws.l_sorted;
-      ex.b = a.lora->d_b;
-      ex.num_slots = a.lora->num_slots;
-      ex.N = s.H;
-      ex.out = ws.delta_d;
-      ex.pdl = pdl;
-      moe_lora_expand(ex, S);
+      // Behind gate_up on one stream; behind an event wait otherwise.
+      moe_lora_shrink(shrink_params(a, ws, /*gate_up=*/false, pdl && !two_streams), S);
+      moe_lora_expand(expand_params(a, ws, /*gate_up=*/false, pdl), S);
     }
     if (two_streams) MOELORA_CUDA_CHECK(cudaEventRecord(st.ev_d, S));
   }

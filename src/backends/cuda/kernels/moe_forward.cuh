@@ -4,6 +4,9 @@
 //
 // Sequence (main stream M, side stream S, events created by the caller before any capture):
 //   M: [fp8 quant x]  [router_topk]  moe_align (base tiles + LoRA groups; routing fused in when fuse_route)
+//   lora_in_gemm (the default):
+//   M: gate_up shrink -> u, moe_gate_up(+ u . B in its epilogue, before SwiGLU) -> act, record ev_act
+//   otherwise:
 //   M: record ev_ids ─► S: wait ev_ids, gate_up shrink, gate_up expand -> delta_gu, record ev_gu
 //   M: wait ev_gu, moe_gate_up(+ delta_gu before SwiGLU) -> act, record ev_act
 //   S: wait ev_act, down shrink(act), down expand -> delta_d, record ev_d

@@ -430,6 +430,11 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
           const bf16* d = p.lora_delta + pr * 2 * p.I + n0 + f;
           gs += __bfloat162float(d[0]);
           us += __bfloat162float(d[p.I]);
+        } else if (p.lora_gu.token_slot) {
+          float dg, du;
+          moe_lora_gate_up_delta(p.lora_gu, pr, expert, p.I, n0 + f, dg, du);
+          gs += dg;
+          us += du;
         }
         p.act[pr * p.I + n0 + f] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
       }

@@ -1,5 +1,6 @@
 // Grouped expert GEMMs of the routed MoE MLP, over the tiles of moe_align:
 //   moe_gate_up: act[p] = silu(g) * u,  (g | u) = x[p / k] Wgu[e]^T (+ lora_delta[p])   [P, I] bf16
+//                (the delta read from memory, or computed in the epilogue from u: MoeLoraGateUp)
 //   moe_down:    y[p]   = act[p] Wd[e]^T                                               [P, H] f32
 //   moe_reduce:  out[t] = sum_j w[t,j] (y[t*k+j] + lora_down_delta[t*k+j])              [T, H] bf16
 // Weights are FP8 e4m3 with 128x128 block scales, NVFP4 (mma.sync kernels only), or bf16. Two FP8
@@ -35,6 +36,7 @@
 #include <cstdint>
 
 #include "backends/cuda/kernels/moe_common.cuh"
+#include "backends/cuda/kernels/moe_lora.cuh"
 #include "backends/cuda_plan/moe_choices.h"
 
 namespace moelora::cuda {
@@ -76,6 +78,7 @@ struct MoeGemmParams {
   int max_tiles = 0;                    // worst case, sizes the persistent grid
   // gate_up epilogue
   const bf16* lora_delta = nullptr;  // [P, 2I] gate_up LoRA delta (pre-activation) or null
+  MoeLoraGateUp lora_gu;             // or the delta computed here (lora_gu.token_slot set; moe_lora.cuh)
   bf16* act = nullptr;               // [P, I]
   // down epilogue
   float* y = nullptr;                // [P, H]

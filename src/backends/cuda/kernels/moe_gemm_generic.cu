@@ -81,6 +81,11 @@ __global__ void __launch_bounds__(kWarps * 32) moe_gate_up_generic_kernel(const 
         const bf16* d = p.lora_delta + pr * 2 * I + f;
         g += bf16_to_float(d[0]);
         u += bf16_to_float(d[I]);
+      } else if (p.lora_gu.token_slot) {
+        float dg, du;
+        moe_lora_gate_up_delta(p.lora_gu, pr, e, I, f, dg, du);
+        g += dg;
+        u += du;
       }
       p.act[pr * I + f] = __float2bfloat16_rn(g / (1.0f + expf(-g)) * u);
     }

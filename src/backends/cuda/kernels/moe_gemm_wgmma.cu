@@ -473,6 +473,11 @@ __global__ void __maxnreg__(BN == 64 ? 168 : 96) moe_gemm_wgmma_kernel(const __g
           const bf16* d = p.lora_delta + static_cast<int64_t>(pr) * 2 * p.I + f0 + f;
           gs += __bfloat162float(d[0]);
           us += __bfloat162float(d[p.I]);
+        } else if (p.lora_gu.token_slot) {
+          float dg, du;
+          moe_lora_gate_up_delta(p.lora_gu, pr, expert, p.I, f0 + f, dg, du);
+          gs += dg;
+          us += du;
         }
         p.act[static_cast<int64_t>(pr) * p.I + f0 + f] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
       }

@@ -94,4 +94,56 @@ void moe_lora_fused(const MoeLoraFusedParams& p, cudaStream_t stream);
 
 constexpr int kMoeLoraMaxRank = 128;
 
+// The gate_up half's expand inside the gate_up GEMM's epilogue (MoeTuning::lora_in_gemm): the
+// epilogue that turns a pair's two pre-activation columns (gate f, up I + f) into act adds
+// u[p] . B[f] and u[p] . B[I + f] itself, from the u rows moe_lora_shrink wrote over g_tiles. No
+// expand launch and no [P, 2I] delta round trip through memory on the critical path; B is read
+// per (pair, column) instead of once per (slot, expert) tile, from L1/L2 after the first row.
+// Bit for bit moe_lora_expand + the delta add: the same f32 sum order (j ascending, fmaf from 0)
+// and the same bf16 rounding of the delta before it is added.
+struct MoeLoraGateUp {
+  const int32_t* token_slot = nullptr;  // [T] adapter slot per token; null: no LoRA in the epilogue
+  int num_slots = 0;
+  int top_k = 1;
+  const float* u_pair = nullptr;        // [P, ldu]
+  const float* u_tok = nullptr;         // [T, ldu] (slots whose gate_up A is shared over experts)
+  int ldu = 0;
+  const int64_t* a_stride = nullptr;    // gate_up A strides per slot (0: u in u_tok)
+  MoeLoraFactors b;                     // gate_up B, [2I, r] per expert
+};
+
+#ifdef __CUDACC__
+// u . B row (r values), f32, j ascending: moe_lora_expand's sum. Rows of 16 bytes when `vec`.
+__device__ __forceinline__ float moe_lora_row_dot(const float* u, const bf16* row, int r, bool vec) {
+  float acc = 0.0f;
+  if (vec) {
+    for (int j = 0; j < r; j += 8) {
+      float b[8];
+      moe_detail::unpack8(moe_detail::ldg16(row + j), b);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc = fmaf(u[j + i], b[i], acc);
+    }
+  } else {
+    for (int j = 0; j < r; ++j) acc = fmaf(u[j], __bfloat162float(row[j]), acc);
+  }
+  return acc;
+}
+
+// The LoRA deltas of pair `pair` (routed to `expert`) for its gate column f and up column I + f,
+// rounded to bf16 as the delta buffer stores them; 0 for tokens without an adapter (slot < 0 or
+// out of range) and for rank-0 slots, as moe_lora_expand writes them.
+__device__ __forceinline__ void moe_lora_gate_up_delta(const MoeLoraGateUp& l, int64_t pair, int expert, int I, int f,
+                                                       float& d_gate, float& d_up) {
+  d_gate = d_up = 0.0f;
+  const int s = l.token_slot[pair / l.top_k];
+  const int r = (s >= 0 && s < l.num_slots) ? min(l.b.rank[s], kMoeLoraMaxRank) : 0;
+  if (r == 0) return;
+  const float* u = l.a_stride[s] == 0 ? l.u_tok + (pair / l.top_k) * l.ldu : l.u_pair + pair * l.ldu;
+  const bf16* B = reinterpret_cast<const bf16*>(l.b.ptr[s]) + expert * l.b.stride[s];
+  const bool vec = r % 8 == 0 && (reinterpret_cast<uintptr_t>(B) & 15) == 0;
+  d_gate = __bfloat162float(__float2bfloat16_rn(moe_lora_row_dot(u, B + static_cast<int64_t>(f) * r, r, vec)));
+  d_up = __bfloat162float(__float2bfloat16_rn(moe_lora_row_dot(u, B + static_cast<int64_t>(I + f) * r, r, vec)));
+}
+#endif
+
 }  // namespace moelora::cuda
