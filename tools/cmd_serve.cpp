@@ -1,4 +1,4 @@
-// moelora serve: the OpenAI-compatible HTTP server (SPEC §5) over one engine. Without --model it
+// moelora serve: the OpenAI-compatible HTTP server (docs/serving.md) over one engine. Without --model it
 // serves the tiny model that ships in the repository with its two adapters, so that one command
 // shows the whole system working.
 #include <signal.h>

@@ -1,4 +1,4 @@
-// The OpenAI-compatible HTTP server (SPEC §5) over an Engine:
+// The OpenAI-compatible HTTP server (docs/serving.md) over an Engine:
 //   POST /v1/completions, /v1/chat/completions   (SSE when "stream": true)
 //   GET  /v1/models
 //   POST /v1/load_lora_adapter, /v1/unload_lora_adapter   (only with --lora-root)

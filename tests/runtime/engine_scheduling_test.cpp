@@ -1,6 +1,6 @@
 // Scheduling and memory: continuous batching, chunked prefill, preemption under a tiny KV cache,
 // the adapter-keyed prefix cache, cancellation. On the CPU backend a request's output must not
-// depend on what else runs (SPEC §4), so every comparison here is exact.
+// depend on what else runs (whatever shares its batch), so every comparison here is exact.
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
