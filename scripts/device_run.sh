@@ -17,6 +17,8 @@
 #   split    the wgmma MoE op-suite cases and `dev_moe_bench split` (e4m3 x e4m3 wgmmas: W8A16 with
 #            split-form activations, W8A8) against the CPU and the other kernels, timed
 #   moeops   the MoE op-suite cases only (every kernel of the MoE layer vs the CPU reference)
+#   lora     `dev_moe_bench lora`: the gate_up LoRA expand in the GEMM's epilogue vs its own kernel,
+#            bit for bit, then timed with 1 and 8 adapters (run `moeops lora` for the op cases too)
 #   nvfp4    NVFP4 experts on the 4-bit GEMMs: their op-suite cases, `dev_moe_bench nvfp4` (CPU
 #            checks, per-tile times vs the 4-bit floor and the FP8 layer) and `bench` of the
 #            NVFP4 Qwen3-30B-A3B config against the FP8 one (decode step, 1 and 64 tokens)
@@ -34,6 +36,18 @@ export LD_LIBRARY_PATH=$PWD/.device/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:
 out=${OUT:-/tmp}
 bin=./.device/moelora
 stages=${*:-ops verify bench serve}
+# The op suite (or the cases FILTER selects) as three gtest shards side by side, each logging in
+# full to $out/PREFIX_shard<i>.log: the CPU references dominate its time.
+run_sharded() {
+  local filter=$1 prefix=$2 limit=$3 pids="" i p
+  for i in 0 1 2; do
+    GTEST_TOTAL_SHARDS=3 GTEST_SHARD_INDEX=$i timeout $limit ./.device/moelora_op_suite --gtest_filter="$filter" \
+      > $out/${prefix}_shard$i.log 2>&1 &
+    pids="$pids $!"
+  done
+  for p in $pids; do wait $p; echo "shard exit $?"; done
+  grep -hE "^\[==========\] .* ran|^\[  PASSED|^\[  FAILED" $out/${prefix}_shard*.log | head -40
+}
 date -u
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 for stage in $stages; do
@@ -72,16 +86,9 @@ for stage in $stages; do
       grep "all cases" $log; tail -1 $log
     done ;;
   ops)
-    # Three gtest shards side by side: the CPU references dominate the suite's time (576 cases in
-    # 205 s this way on 2026-12-05; one process overran 300 s). Each shard logs in full.
+    # 576 cases in 205 s this way on 2026-12-05 (one process overran 300 s).
     echo "== op suite (3 shards)"
-    pids=""
-    for i in 0 1 2; do
-      GTEST_TOTAL_SHARDS=3 GTEST_SHARD_INDEX=$i timeout 450 ./.device/moelora_op_suite > $out/op_suite_shard$i.log 2>&1 &
-      pids="$pids $!"
-    done
-    for p in $pids; do wait $p; echo "shard exit $?"; done
-    grep -hE "^\[==========\] .* ran|^\[  PASSED|^\[  FAILED" $out/op_suite_shard*.log | head -40 ;;
+    run_sharded '*' op_suite 450 ;;
   verify)
     for mode in "" "--no-graphs" "--no-overlap"; do
       log=$out/verify_cuda${mode//-/_}.log
@@ -191,10 +198,13 @@ for stage in $stages; do
       timeout 150 $bin bench --config $cfg --backend cuda --batch 1,64 --adapters 0,8 --rank 16 --iters 8 --json $rec
     done > $out/nvfp4_bench.log 2>&1
     grep -v "^\[" $out/nvfp4_bench.log ;;
+  lora)
+    echo "== MoE workbench (LoRA)"
+    timeout 150 ./.device/dev_moe_bench lora > $out/moe_bench_lora.log 2>&1; echo "exit $?"
+    grep -v "ok$" $out/moe_bench_lora.log ;;
   moeops)
-    echo "== op suite, MoE cases"
-    timeout 300 ./.device/moelora_op_suite --gtest_brief=1 --gtest_filter='Moe*' > $out/op_suite_moe.log 2>&1; echo "exit $?"
-    grep -E "FAILED|PASSED|Failure" $out/op_suite_moe.log | head -30; tail -3 $out/op_suite_moe.log ;;
+    echo "== op suite, MoE cases (3 shards: 200 cases in 128 s on 2026-12-05)"
+    run_sharded 'Moe*' op_suite_moe 240 ;;
   moefull)
     echo "== MoE workbench (full)"
     timeout 500 ./.device/dev_moe_bench > $out/moe_bench.log 2>&1; echo "exit $?"
