@@ -357,7 +357,8 @@ bool split_mode(Bench& b, int ncopies, double bw) {
 
 // `dev_moe_bench lora`: the gate_up LoRA expand in the GEMM epilogue (MoeTuning::lora_in_gemm)
 // against its own kernel on the side stream: bit for bit at every T and tile the heuristic picks,
-// the CPU reference up to 64 tokens, then both timed at every batch with 1 and 8 adapters.
+// the CPU reference with 8 adapters up to 64 tokens, then both timed at every batch with 1 and 8
+// adapters (and the in-GEMM form with every LoRA kernel on the main stream).
 bool lora_mode(Bench& b, int ncopies, double bw) {
   Version in_gemm = kV2, separate = kV2;
   in_gemm.lora_gemm = 1;
@@ -375,11 +376,15 @@ bool lora_mode(Bench& b, int ncopies, double bw) {
       const auto ref = b.out_of(0, T);
       size_t diff = 0;
       for (size_t i = 0; i < out.size(); ++i) diff += out[i] != ref[i];
-      const double vs_cpu = T <= 64 && adapters == 8 ? worst_vs_cpu(b, T, adapters, out) : 0.0;
+      // The CPU reference with 8 adapters up to 64 tokens (it is slow beyond; 1 adapter is a subset).
+      const bool cpu_checked = T <= 64 && adapters == 8;
+      const double vs_cpu = cpu_checked ? worst_vs_cpu(b, T, adapters, out) : 0.0;
       const bool pass = diff == 0 && vs_cpu <= 1e-2;
       ok &= pass;
-      std::printf("check lora in gemm, %d adapters, T=%3d: %zu elements differ from the expand kernel's; vs CPU %.2e %s\n",
-                  adapters, T, diff, vs_cpu, pass ? "ok" : "FAIL");
+      char cpu[32] = "not checked";
+      if (cpu_checked) std::snprintf(cpu, sizeof cpu, "%.2e", vs_cpu);
+      std::printf("check lora in gemm, %d adapters, T=%3d: %zu elements differ from the expand kernel's; vs CPU %s %s\n",
+                  adapters, T, diff, cpu, pass ? "ok" : "FAIL");
     }
   std::printf("checks %s\n", ok ? "passed" : "FAILED");
   std::printf("\nMoE LoRA r=%d, graph replay, %d copies, median of 30, us (copy bandwidth %.0f GB/s)\n"

@@ -201,7 +201,8 @@ __global__ void head_norm_rope_kernel(HeadNormRopeParams p) {
   const int h = static_cast<int>(gid % heads);
   bf16* x = p.x + t * p.ld_x + static_cast<int64_t>(h) * D;
   const bf16* w = h < p.q_heads ? p.q_norm : p.k_norm;
-  // The sums in rmsnorm_warp_kernel's order: its 8 slots per lane, the unused ones adding +0.
+  // The sums in rmsnorm_warp_kernel's order (its unused slots add +0 to a sum of squares, which
+  // changes nothing, so they are left out here).
   float v[kJn];
   float ss = 0.0f;
 #pragma unroll
@@ -209,8 +210,6 @@ __global__ void head_norm_rope_kernel(HeadNormRopeParams p) {
     v[j] = __bfloat162float(x[lane + 32 * j]);
     ss += v[j] * v[j];
   }
-#pragma unroll
-  for (int j = kJn; j < kHeadNormRopeMaxDim / 32; ++j) ss += 0.0f * 0.0f;
   ss = warp_sum(ss);
   const float inv = 1.0f / sqrtf(__fadd_rn(__fdiv_rn(ss, static_cast<float>(D)), p.eps));
 #pragma unroll
