@@ -13,7 +13,8 @@
 //   v4: v3 with the LoRA kernels on the main stream (PDL chain, no events)
 // plus a sweep of the GEMM tile (8/16/32/64 tokens) x FP8 regime (W8A16 / W8A8) at the larger
 // batches. `dev_moe_bench regimes` runs only the checks, that sweep and the prefill shapes;
-// `dev_moe_bench lora` the gate_up LoRA expand in the GEMM epilogue against its own kernel;
+// `dev_moe_bench lora` the LoRA expands inside the base kernels (gate_up GEMM epilogue, moe_reduce)
+// against their own kernels;
 // `dev_moe_bench nvfp4` the same layer with NVFP4 experts (the 4-bit mma.sync variant) against
 // the CPU reference, its own 4-bit floor and the FP8 layer.
 #include <cstdio>
@@ -48,6 +49,7 @@ struct Version {
   int wgmma = -1;  // -1: the heuristic's kernel; 0: mma.sync; 1: the Hopper TMA + wgmma GEMM
   int split = -1;  // wgmma W8A16: -1 the heuristic's; 0 weights dequantised; 1 split-form activations
   int lora_gemm = -1;  // gate_up LoRA expand: -1 the heuristic's; 0 its own kernel; 1 in the GEMM epilogue
+  int lora_reduce = -1;  // down LoRA expand: -1 the heuristic's; 0 its own kernel; 1 inside moe_reduce
 };
 const Version kV1{"v1", false, false}, kV2{"v2", true, true}, kV3{"v3", true, true, true},
     kV4{"v4", true, true, true, -1, true};
@@ -148,6 +150,7 @@ struct Bench {
     else if (a.tuning->act_fp8) a.tuning->wgmma = false;  // a forced W8A8 version on the mma.sync kernels
     if (v.split >= 0) a.tuning->act_split = v.split == 1;
     if (v.lora_gemm >= 0) a.tuning->lora_in_gemm = v.lora_gemm == 1;
+    if (v.lora_reduce >= 0) a.tuning->lora_down_in_reduce = v.lora_reduce == 1;
     MoeStreams st{s, v.one_stream ? nullptr : side, ev[0], ev[1], ev[2], ev[3]};
     moe_forward_prefix(a, ws, st, last);
   }
@@ -355,78 +358,91 @@ bool split_mode(Bench& b, int ncopies, double bw) {
   return ok;
 }
 
-// `dev_moe_bench lora`: the gate_up LoRA expand in the GEMM epilogue (MoeTuning::lora_in_gemm)
-// against its own kernel on the side stream: bit for bit at every T and tile the heuristic picks,
-// the CPU reference with 8 adapters up to 64 tokens, then both timed at every batch with 1 and 8
-// adapters (and the in-GEMM form with every LoRA kernel on the main stream).
+// `dev_moe_bench lora`: the LoRA expands inside the base kernels (the gate_up half in the GEMM
+// epilogue, MoeTuning::lora_in_gemm; the down half inside moe_reduce, lora_down_in_reduce) against
+// their own kernels on the side stream: bit for bit at every T with the tile the heuristic picks,
+// the CPU reference with 8 adapters up to 64 tokens, then timed at every batch with 1 and 8
+// adapters (and with every LoRA kernel on the main stream).
 bool lora_mode(Bench& b, int ncopies, double bw) {
   Version in_gemm = kV2, separate = kV2;
   in_gemm.lora_gemm = 1;
+  in_gemm.lora_reduce = 0;
   separate.lora_gemm = 0;
-  Version in_gemm_1s = in_gemm;  // every LoRA kernel on the main stream: no event joins
-  in_gemm_1s.one_stream = true;
+  separate.lora_reduce = 0;
+  Version both_in = in_gemm;  // gate_up expand in the GEMM, down expand in moe_reduce
+  both_in.lora_reduce = 1;
+  Version in_gemm_1s = in_gemm, both_in_1s = both_in;  // every LoRA kernel on the main stream: no event joins
+  in_gemm_1s.one_stream = both_in_1s.one_stream = true;
   bool ok = true;
   for (int T : {1, 3, 8, 64, 256})
     for (int adapters : {1, 8}) {
-      b.launch(nullptr, 0, T, in_gemm, adapters);
-      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-      const auto out = b.out_of(0, T);
       b.launch(nullptr, 0, T, separate, adapters);
       MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
       const auto ref = b.out_of(0, T);
-      size_t diff = 0;
-      for (size_t i = 0; i < out.size(); ++i) diff += out[i] != ref[i];
       // The CPU reference with 8 adapters up to 64 tokens (it is slow beyond; 1 adapter is a subset).
       const bool cpu_checked = T <= 64 && adapters == 8;
-      const double vs_cpu = cpu_checked ? worst_vs_cpu(b, T, adapters, out) : 0.0;
-      const bool pass = diff == 0 && vs_cpu <= 1e-2;
-      ok &= pass;
-      char cpu[32] = "not checked";
-      if (cpu_checked) std::snprintf(cpu, sizeof cpu, "%.2e", vs_cpu);
-      std::printf("check lora in gemm, %d adapters, T=%3d: %zu elements differ from the expand kernel's; vs CPU %s %s\n",
-                  adapters, T, diff, cpu, pass ? "ok" : "FAIL");
+      for (const Version* v : {&in_gemm, &both_in}) {
+        b.launch(nullptr, 0, T, *v, adapters);
+        MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+        const auto out = b.out_of(0, T);
+        size_t diff = 0;
+        for (size_t i = 0; i < out.size(); ++i) diff += out[i] != ref[i];
+        const double vs_cpu = cpu_checked ? worst_vs_cpu(b, T, adapters, out) : 0.0;
+        const bool pass = diff == 0 && vs_cpu <= 1e-2;
+        ok &= pass;
+        char cpu[32] = "not checked";
+        if (cpu_checked) std::snprintf(cpu, sizeof cpu, "%.2e", vs_cpu);
+        std::printf("check %s, %d adapters, T=%3d: %zu elements differ from the expand kernels'; vs CPU %s %s\n",
+                    v == &in_gemm ? "gate_up in gemm" : "gate_up in gemm + down in reduce", adapters, T, diff, cpu,
+                    pass ? "ok" : "FAIL");
+      }
     }
   std::printf("checks %s\n", ok ? "passed" : "FAILED");
-  std::printf("\nMoE LoRA r=%d, graph replay, %d copies, median of 30, us (copy bandwidth %.0f GB/s)\n"
-              "   T |   base | 1 ad: expand kernel | in gemm | 8 ad: expand kernel | in gemm | in gemm, 1 stream\n", kRank, ncopies, bw);
+  std::printf("\nMoE LoRA r=%d, graph replay, %d copies, median of 30, us (copy bandwidth %.0f GB/s); columns: both expand "
+              "kernels | gate_up in the GEMM | + down in moe_reduce, each with 1 and 8 adapters; then 8 adapters on one "
+              "stream\n   T |   base | 1 ad: kernels | in gemm | + reduce | 8 ad: kernels | in gemm | + reduce | "
+              "1 stream: in gemm | + reduce\n", kRank, ncopies, bw);
   for (int T : kTokens) {
     auto timed = [&](const Version& v, int adapters) {
       return time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, v, adapters); }, ncopies, 30);
     };
     const double base = timed(kV2, 0);
-    const double s1 = timed(separate, 1), g1 = timed(in_gemm, 1), s8 = timed(separate, 8), g8 = timed(in_gemm, 8);
-    const double o8 = timed(in_gemm_1s, 8);
-    std::printf("%4d | %6.1f | %6.1f (+%4.1f%%) | %6.1f (+%4.1f%%) | %6.1f (+%4.1f%%) | %6.1f (+%4.1f%%) | %6.1f (+%4.1f%%)\n",
-                T, base, s1, 100.0 * (s1 / base - 1.0), g1, 100.0 * (g1 / base - 1.0), s8, 100.0 * (s8 / base - 1.0), g8,
-                100.0 * (g8 / base - 1.0), o8, 100.0 * (o8 / base - 1.0));
+    const double t[8] = {timed(separate, 1), timed(in_gemm, 1), timed(both_in, 1), timed(separate, 8),
+                         timed(in_gemm, 8), timed(both_in, 8), timed(in_gemm_1s, 8), timed(both_in_1s, 8)};
+    std::printf("%4d | %6.1f", T, base);
+    for (double x : t) std::printf(" | %6.1f (+%4.1f%%)", x, 100.0 * (x / base - 1.0));
+    std::printf("\n");
   }
   return ok;
 }
 
-// `dev_moe_bench nvfp4`: NVFP4 experts (W4A16 on the mma.sync kernels) against the CPU reference
-// at every tile, then timed per tile against their own floor (touched experts' 4-bit codes and
-// e4m3 group scales over the copy bandwidth) and the FP8 layer's default (`b8`), base and LoRA.
+// `dev_moe_bench nvfp4`: NVFP4 experts (W4A16 on the mma.sync kernels, and on the wgmma GEMM's
+// 4-bit mode) against the CPU reference at every tile, then timed per tile against their own floor
+// (touched experts' 4-bit codes and e4m3 group scales over the copy bandwidth) and the FP8 layer's
+// default (`b8`), base and LoRA.
 bool nvfp4_mode(Bench& b8, Bench& b4, int ncopies, double bw) {
   bool ok = true;
-  for (int T : {1, 3, 64})
-    for (int tl = 0; tl < 4; ++tl)
-      for (int adapters : {0, 8}) {
-        Version v = kV2;
-        v.tile = tl;
-        b4.launch(nullptr, 0, T, v, adapters);
-        MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-        const double e = worst_vs_cpu(b4, T, adapters, b4.out_of(0, T));
-        const bool pass = e <= 1e-2;
-        ok &= pass;
-        std::printf("check nvfp4 tile %d %-6s T=%3d: worst row rel err vs CPU %.2e %s\n",
-                    moe_gemm_tile_rows(static_cast<MoeGemmTile>(tl)), adapters ? "8 LoRA" : "base", T, e,
-                    pass ? "ok" : "FAIL");
-      }
+  for (int wg = 0; wg < 2; ++wg)
+    for (int T : {1, 3, 64})
+      for (int tl = 0; tl < 4; ++tl)
+        for (int adapters : {0, 8}) {
+          Version v = kV2;
+          v.tile = tl;
+          v.wgmma = wg;
+          b4.launch(nullptr, 0, T, v, adapters);
+          MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+          const double e = worst_vs_cpu(b4, T, adapters, b4.out_of(0, T));
+          const bool pass = e <= 1e-2;
+          ok &= pass;
+          std::printf("check nvfp4 %s tile %d %-6s T=%3d: worst row rel err vs CPU %.2e %s\n", wg ? "wgmma" : "mma.sync",
+                      moe_gemm_tile_rows(static_cast<MoeGemmTile>(tl)), adapters ? "8 LoRA" : "base", T, e,
+                      pass ? "ok" : "FAIL");
+        }
   std::printf("checks %s\n", ok ? "passed" : "FAILED");
   const double bytes4 = 3.0 * kH * kI * (0.5 + 1.0 / 16.0);  // codes + e4m3 group scales per expert
   std::printf("\nNVFP4 vs FP8 MoE layer, graph replay, %d copies, median of 30, us; floor4 = touched experts' 4-bit "
-              "bytes / %.0f GB/s\n   T |     D | floor4 | nvfp4 t8 | t16 | t32 | t64 | default (x floor4) | fp8 default | "
-              "nvfp4 8 LoRA | fp8 8 LoRA\n", ncopies, bw);
+              "bytes / %.0f GB/s\n   T |     D | floor4 | nvfp4 mma.sync t8 | t16 | t32 | t64 | wgmma t8 | t16 | t32 | t64 | "
+              "default (x floor4) | fp8 default | nvfp4 8 LoRA | wgmma t8 8 LoRA | fp8 8 LoRA\n", ncopies, bw);
   for (int T : kTokens) {
     double D = 0;
     for (int c = 0; c < ncopies; ++c) {
@@ -439,15 +455,23 @@ bool nvfp4_mode(Bench& b8, Bench& b4, int ncopies, double bw) {
     auto timed = [&](Bench& b, const Version& v, int adapters) {
       return time_graph_us([&](cudaStream_t s, int c) { b.launch(s, c, T, v, adapters); }, ncopies, 30);
     };
-    double t[4];
-    for (int tl = 0; tl < 4; ++tl) {
-      Version v = kV2;
-      v.tile = tl;
-      t[tl] = timed(b4, v, 0);
-    }
+    double t[2][4];
+    for (int wg = 0; wg < 2; ++wg)
+      for (int tl = 0; tl < 4; ++tl) {
+        Version v = kV2;
+        v.tile = tl;
+        v.wgmma = wg;
+        t[wg][tl] = timed(b4, v, 0);
+      }
+    Version wg8 = kV2;
+    wg8.tile = 0;
+    wg8.wgmma = 1;
     const double d4 = timed(b4, kV2, 0), d8 = timed(b8, kV2, 0);
-    std::printf("%4d | %5.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f | %6.1f (%.2fx) | %6.1f | %6.1f | %6.1f\n", T, D,
-                floor4, t[0], t[1], t[2], t[3], d4, d4 / floor4, d8, timed(b4, kV2, 8), timed(b8, kV2, 8));
+    std::printf("%4d | %5.1f | %6.1f", T, D, floor4);
+    for (int wg = 0; wg < 2; ++wg)
+      for (int tl = 0; tl < 4; ++tl) std::printf(" | %6.1f", t[wg][tl]);
+    std::printf(" | %6.1f (%.2fx) | %6.1f | %6.1f | %6.1f | %6.1f\n", d4, d4 / floor4, d8, timed(b4, kV2, 8),
+                timed(b4, wg8, 8), timed(b8, kV2, 8));
   }
   return ok;
 }

@@ -17,10 +17,12 @@
 #   split    the wgmma MoE op-suite cases and `dev_moe_bench split` (e4m3 x e4m3 wgmmas: W8A16 with
 #            split-form activations, W8A8) against the CPU and the other kernels, timed
 #   moeops   the MoE op-suite cases only (every kernel of the MoE layer vs the CPU reference)
-#   lora     `dev_moe_bench lora`: the gate_up LoRA expand in the GEMM's epilogue vs its own kernel,
-#            bit for bit, then timed with 1 and 8 adapters (run `moeops lora` for the op cases too)
-#   nvfp4    NVFP4 experts on the 4-bit GEMMs: their op-suite cases, `dev_moe_bench nvfp4` (CPU
-#            checks, per-tile times vs the 4-bit floor and the FP8 layer) and `bench` of the
+#   lora     `dev_moe_bench lora`: the LoRA expands inside the base kernels (gate_up in the GEMM's
+#            epilogue, down in moe_reduce) vs their own kernels, bit for bit, then timed with 1 and 8
+#            adapters (run `moeops lora` for the op cases too)
+#   nvfp4    NVFP4 experts on the 4-bit GEMMs (mma.sync and wgmma): their op-suite cases,
+#            `dev_moe_bench nvfp4` (CPU checks, per-tile times of both kernels vs the 4-bit floor and
+#            the FP8 layer) and `bench` of the
 #            NVFP4 Qwen3-30B-A3B config against the FP8 one (decode step, 1 and 64 tokens)
 #   moefull  the whole MoE workbench (every table of bench/RESULTS.md's MoE section)
 #   sampler  the sampling op tests and the sampler workbench (cluster size x rows x logits)
@@ -191,7 +193,7 @@ for stage in $stages; do
     echo "== NVFP4 MoE: op suite, workbench, decode step"
     timeout 200 ./.device/moelora_op_suite --gtest_brief=1 --gtest_filter='Moe*nvfp4*:*Dense*nvfp4*:DenseNvfp4Decode.*' > $out/nvfp4_ops.log 2>&1
     echo "ops exit $?"; grep -E "FAILED|PASSED|Failure" $out/nvfp4_ops.log | head -30; tail -3 $out/nvfp4_ops.log
-    timeout 240 ./.device/dev_moe_bench nvfp4 > $out/nvfp4_moe_bench.log 2>&1
+    timeout 300 ./.device/dev_moe_bench nvfp4 > $out/nvfp4_moe_bench.log 2>&1
     echo "moe_bench exit $?"; grep -v "^check.* ok$" $out/nvfp4_moe_bench.log
     rec=$out/bench_records.jsonl
     for cfg in bench/configs/qwen3-30b-a3b-nvfp4.json bench/configs/qwen3-30b-a3b-fp8.json; do
@@ -200,7 +202,7 @@ for stage in $stages; do
     grep -v "^\[" $out/nvfp4_bench.log ;;
   lora)
     echo "== MoE workbench (LoRA)"
-    timeout 150 ./.device/dev_moe_bench lora > $out/moe_bench_lora.log 2>&1; echo "exit $?"
+    timeout 200 ./.device/dev_moe_bench lora > $out/moe_bench_lora.log 2>&1; echo "exit $?"
     grep -v "ok$" $out/moe_bench_lora.log ;;
   moeops)
     echo "== op suite, MoE cases (3 shards: 200 cases in 128 s on 2026-12-05)"

@@ -151,5 +151,49 @@ TEST(Nvfp4Layout, PackedMatrixMatchesTheSpec) {
       }
 }
 
+// The same matrix read back the way the wgmma GEMM's 4-bit mode addresses it: the stage's code box
+// (64 bytes of row r for 128-wide chunk c) and scale box (chunk c's 128 bytes of each 16-row tile),
+// one group per k16 step s, lane c4's registers = register c4 of the group's two words, which an
+// m64nNk16 wgmma takes as k 2 c4 + half (word 0) and 8 + 2 c4 + half (word 1) of the step.
+TEST(Nvfp4Layout, WgmmaStageReadsMatchTheSpec) {
+  const int rows = 48, cols = 384, groups = cols / kNvfp4Group;
+  std::mt19937 rng(23);
+  std::vector<uint8_t> codes(static_cast<size_t>(rows) * cols / 2), scales(static_cast<size_t>(rows) * groups);
+  for (auto& b : codes) b = static_cast<uint8_t>(rng());
+  for (auto& s : scales) {
+    do s = static_cast<uint8_t>(rng() & 0x7f);
+    while (is_nan_e4m3(s));
+  }
+  const float global = 0.0123f;
+  std::vector<float> spec(static_cast<size_t>(rows) * cols);
+  dequantize_nvfp4(codes.data(), rows, cols, scales.data(), global, spec.data());
+  std::vector<uint8_t> pc(codes.size()), ps(scales.size());
+  nvfp4_pack_codes(codes.data(), rows, cols, pc.data());
+  nvfp4_pack_scales(scales.data(), rows, cols, ps.data());
+  const float epilogue = global * kNvfp4GlobalFactor;
+  for (int c = 0; c < cols / 128; ++c) {
+    // The scale box of chunk c: 128 bytes per row tile, bytes [tile * cols + 128 c, + 128).
+    std::vector<uint8_t> box(static_cast<size_t>(rows / 16) * 128);
+    for (int t = 0; t < rows / 16; ++t)
+      for (int i = 0; i < 128; ++i) box[t * 128 + i] = ps[static_cast<size_t>(t) * cols + 128 * c + i];
+    for (int r = 0; r < rows; ++r)
+      for (int s = 0; s < 8; ++s) {
+        const float sc = kernel_scale(box[(r / 16) * 128 + nvfp4_chunk128_scale_byte(r % 16, s)]);
+        for (int w = 0; w < 2; ++w) {
+          const uint8_t* p = pc.data() + static_cast<size_t>(r) * cols / 2 + 64 * c + 8 * s + 4 * w;
+          const uint32_t word = p[0] | (p[1] << 8) | (p[2] << 16) | (static_cast<uint32_t>(p[3]) << 24);
+          for (int c4 = 0; c4 < 4; ++c4) {
+            const uint32_t bits = nvfp4_pair_bits(word, c4);
+            for (int half = 0; half < 2; ++half) {
+              const float code = bf16_to_f32(static_cast<uint16_t>(half ? bits >> 16 : bits & 0xffff));
+              const int k = 128 * c + 16 * s + 8 * w + 2 * c4 + half;
+              ASSERT_EQ(bf16_product(code, sc) * epilogue, spec[static_cast<size_t>(r) * cols + k]) << r << " " << k;
+            }
+          }
+        }
+      }
+  }
+}
+
 }  // namespace
 }  // namespace moelora::cuda_plan

@@ -25,7 +25,7 @@ enum SlotPattern { kSlotRandom, kSlotOne, kSlotDistinct, kSlotNone, kSlotInvalid
 struct MoeCase {
   int T = 1, E = 8, k = 2, H = 128, I = 192;
   bool fp8 = true;
-  bool nvfp4 = false;             // NVFP4 experts (fp8 ignored): the 4-bit mma.sync variant
+  bool nvfp4 = false;             // NVFP4 experts (fp8 ignored): the 4-bit mma.sync variant, or wgmma when forced
   Route route = kRandom;
   bool grouped = false;
   int n_group = 1, topk_group = 1;
@@ -42,6 +42,7 @@ struct MoeCase {
   int wgmma = -1;                 // -1 the heuristic's GEMM kernel, 0 mma.sync, 1 TMA + wgmma (Hopper)
   int split = -1;                 // wgmma W8A16: -1 the heuristic's, 0 weights dequantised, 1 split activations
   int lora_gemm = -1;             // gate_up LoRA expand: -1 the heuristic's, 0 its own kernel, 1 in the GEMM epilogue
+  int lora_reduce = -1;           // down LoRA expand: -1 the heuristic's, 0 its own kernel, 1 inside moe_reduce
 
   std::string name() const {
     std::string n = slots ? "MOE_LORA(" : "MOE(";
@@ -68,6 +69,7 @@ struct MoeCase {
     if (wgmma >= 0) n += wgmma ? ",wgmma" : ",mma_sync";
     if (split >= 0) n += split ? ",split" : ",dequant";
     if (lora_gemm >= 0) n += lora_gemm ? ",lora_in_gemm" : ",lora_expand_kernel";
+    if (lora_reduce >= 0) n += lora_reduce ? ",down_lora_in_reduce" : ",down_lora_expand_kernel";
     return n + ")";
   }
 };
@@ -219,6 +221,7 @@ struct Harness {
       a.tuning->wgmma = false;  // a forced W8A8 case on the heuristic's kernel: mma.sync
     if (c.split >= 0) a.tuning->act_split = c.split == 1;
     if (c.lora_gemm >= 0) a.tuning->lora_in_gemm = c.lora_gemm == 1;
+    if (c.lora_reduce >= 0) a.tuning->lora_down_in_reduce = c.lora_reduce == 1;
     return a;
   }
   cuda::MoeStreams streams() {
@@ -286,9 +289,36 @@ struct Harness {
         SCOPED_TRACE("gate_up LoRA delta");
         EXPECT_CLOSE_ROWS(dl(ws.delta_gu, P * 2 * I), ref.delta_gu, static_cast<int64_t>(P), 2 * I, 1e-2);
       }
-      SCOPED_TRACE("down LoRA delta (from the GPU's act)");
-      EXPECT_CLOSE_ROWS(dl(ws.delta_d, P * H), ref.delta_d, static_cast<int64_t>(P), H, 1e-2);
+      if (!args().tuning->lora_down_in_reduce) {  // else no delta buffer: moe_reduce adds it (out above)
+        SCOPED_TRACE("down LoRA delta (from the GPU's act)");
+        EXPECT_CLOSE_ROWS(dl(ws.delta_d, P * H), ref.delta_d, static_cast<int64_t>(P), H, 1e-2);
+      }
     }
+  }
+
+  // Runs the layer again on the same inputs with `flip` applied to the tuning of the last run and
+  // expects the same output and act bits.
+  template <typename Flip>
+  void expect_same_bits(Flip flip, const char* what) {
+    const size_t P = static_cast<size_t>(c.T) * c.k;
+    const auto first = d_out.download();
+    const auto first_act = download(reinterpret_cast<const uint16_t*>(ws.act), P * c.I);
+    cuda::MoeForwardArgs a = args();
+    flip(*a.tuning);
+    poison();
+    cuda::moe_forward(a, ws, streams());
+    MOELORA_CUDA_CHECK(cudaStreamSynchronize(main));
+    MOELORA_CUDA_CHECK(cudaGetLastError());
+    const auto second = d_out.download();
+    const auto second_act = download(reinterpret_cast<const uint16_t*>(ws.act), first_act.size());
+    const auto ids = d_ids.download();
+    size_t diff = 0, diff_act = 0;
+    for (size_t i = 0; i < first.size(); ++i) diff += first[i] != second[i];
+    for (size_t p = 0; p < ids.size(); ++p)  // rows of routed pairs (others are never written)
+      if (ids[p] >= 0 && ids[p] < c.E)
+        for (int f = 0; f < c.I; ++f) diff_act += first_act[p * c.I + f] != second_act[p * c.I + f];
+    EXPECT_EQ(diff, 0u) << what << ": output";
+    EXPECT_EQ(diff_act, 0u) << what << ": act";
   }
 
   void poison() {
@@ -313,27 +343,13 @@ TEST_P(MoeLayer, MatchesCpu) {
     MOELORA_CUDA_CHECK(cudaStreamSynchronize(h.main));
     MOELORA_CUDA_CHECK(cudaGetLastError());
     h.check("eager");
-    if (h.c.slots && h.c.lora_gemm < 0) {
-      // The other form of the gate_up LoRA expand (its own kernel / the GEMM epilogue) must give
-      // the same bits: same sums, same bf16 rounding of the delta.
-      const auto first = h.d_out.download();
-      const auto first_act = download(reinterpret_cast<const uint16_t*>(h.ws.act), static_cast<size_t>(h.c.T) * h.c.k * h.c.I);
-      cuda::MoeForwardArgs a = h.args();
-      a.tuning->lora_in_gemm = !a.tuning->lora_in_gemm;
-      h.poison();
-      cuda::moe_forward(a, h.ws, h.streams());
-      MOELORA_CUDA_CHECK(cudaStreamSynchronize(h.main));
-      const auto second = h.d_out.download();
-      const auto second_act = download(reinterpret_cast<const uint16_t*>(h.ws.act), first_act.size());
-      const auto ids = h.d_ids.download();
-      size_t diff = 0, diff_act = 0;
-      for (size_t i = 0; i < first.size(); ++i) diff += first[i] != second[i];
-      for (size_t p = 0; p < ids.size(); ++p)  // rows of routed pairs (others are never written)
-        if (ids[p] >= 0 && ids[p] < h.c.E)
-          for (int f = 0; f < h.c.I; ++f) diff_act += first_act[p * h.c.I + f] != second_act[p * h.c.I + f];
-      EXPECT_EQ(diff, 0u) << "gate_up LoRA expand in the GEMM vs its own kernel: output";
-      EXPECT_EQ(diff_act, 0u) << "gate_up LoRA expand in the GEMM vs its own kernel: act";
-    }
+    // The other form of each LoRA expand (its own kernel / inside the GEMM epilogue or moe_reduce)
+    // must give the same bits: same sums, same bf16 rounding of the delta.
+    if (h.c.slots && h.c.lora_gemm < 0)
+      h.expect_same_bits([](cuda_plan::MoeTuning& t) { t.lora_in_gemm = !t.lora_in_gemm; }, "gate_up LoRA expand in the GEMM vs its own kernel");
+    if (h.c.slots && h.c.lora_reduce < 0)
+      h.expect_same_bits([](cuda_plan::MoeTuning& t) { t.lora_down_in_reduce = !t.lora_down_in_reduce; },
+                         "down LoRA expand in moe_reduce vs its own kernel");
     return;
   }
   // Graph: captured once, replayed on new inputs written in place (static buffers), as the
@@ -528,6 +544,35 @@ std::vector<MoeCase> moe_cases() {
   v.push_back(nvfp4(with_lora(base(40, 128, 8, 2048, 768), 8, {16, 64})));
   { MoeCase c = nvfp4(with_lora(base(16, 8, 2, 128, 192), 4, {16, 1, 128})); c.graph = true; v.push_back(c); }
   { MoeCase c = nvfp4(base(2, 128, 8, 256, 128)); c.graph = true; v.push_back(c); }
+  // NVFP4 on the wgmma GEMM (4-bit codes and group scales by TMA, decoded in registers; H and I
+  // multiples of 128): every tile, one and five tokens, every route, LoRA, Qwen3 shapes, prefill-
+  // sized, graph replay.
+  for (int t = 0; t < 4; ++t) {
+    MoeCase c = nvfp4(base(100, 8, 2, 256, 128));
+    c.tile = t;
+    c.wgmma = 1;
+    v.push_back(c);
+  }
+  for (int T : {1, 5}) { MoeCase c = nvfp4(base(T, 8, 2, 128, 256)); c.wgmma = 1; c.tile = 0; v.push_back(c); }
+  { MoeCase c = nvfp4(base(40, 8, 2, 128, 256)); c.route = kOneExpert; c.tile = 3; c.wgmma = 1; v.push_back(c); }
+  { MoeCase c = nvfp4(base(19, 8, 2, 256, 128)); c.route = kSentinel; c.tile = 1; c.wgmma = 1; v.push_back(c); }
+  { MoeCase c = nvfp4(base(24, 8, 2, 256, 128)); c.route = kHalfEmpty; c.tile = 2; c.wgmma = 1; v.push_back(c); }
+  { MoeCase c = nvfp4(with_lora(base(24, 8, 2, 256, 256), 4, {1, 16, 128, 5})); c.wgmma = 1; c.tile = 1; v.push_back(c); }
+  { MoeCase c = nvfp4(base(1, 128, 8, 2048, 768)); c.wgmma = 1; c.tile = 0; v.push_back(c); }
+  { MoeCase c = nvfp4(base(64, 128, 8, 2048, 768)); c.wgmma = 1; c.tile = 0; v.push_back(c); }
+  { MoeCase c = nvfp4(base(256, 128, 8, 2048, 768)); c.wgmma = 1; c.tile = 2; v.push_back(c); }
+  { MoeCase c = nvfp4(with_lora(base(40, 128, 8, 2048, 768), 8, {16, 64})); c.wgmma = 1; c.tile = 1; v.push_back(c); }
+  { MoeCase c = nvfp4(with_lora(base(64, 128, 8, 256, 128), 8, {16})); c.graph = true; c.wgmma = 1; c.tile = 1; v.push_back(c); }
+  { MoeCase c = nvfp4(base(512, 8, 2, 256, 256)); c.wgmma = 1; c.tile = 3; v.push_back(c); }
+  // The down LoRA expand inside moe_reduce (MoeTuning::lora_down_in_reduce; every eager LoRA case
+  // also compares it bit for bit with the expand kernel): graph replay, one stream with the gate_up
+  // expand in the GEMM too, Qwen3 shapes at one token with 8 adapters, NVFP4.
+  { MoeCase c = with_lora(base(16, 8, 2, 128, 192), 4, {16, 1, 128}); c.graph = true; c.lora_reduce = 1; v.push_back(c); }
+  { MoeCase c = with_lora(base(15, 8, 2, 128, 192), 3, {16, 64}); c.two_streams = false; c.lora_gemm = 1; c.lora_reduce = 1;
+    v.push_back(c); }
+  { MoeCase c = with_lora(base(1, 128, 8, 2048, 768), 8, {16}, kSlotDistinct); c.lora_reduce = 1; v.push_back(c); }
+  { MoeCase c = nvfp4(with_lora(base(24, 8, 2, 128, 192), 4, {1, 16, 128, 5})); c.graph = true; c.lora_reduce = 1;
+    v.push_back(c); }
   // The fused LoRA kernel (shrink + expand in one launch) on the LoRA families above.
   std::vector<MoeCase> fused;
   for (const MoeCase& c : v)
@@ -567,6 +612,9 @@ std::vector<MoeCase> moe_sanitize_cases() {
   { MoeCase c = with_lora(base(9, 8, 2, 128, 192), 3, {1, 16}); c.nvfp4 = true; c.fp8 = false; c.route = kSentinel;
     v.push_back(c); }  // NVFP4
   { MoeCase c = base(40, 8, 2, 128, 192); c.nvfp4 = true; c.fp8 = false; c.tile = 3; v.push_back(c); }
+  { MoeCase c = with_lora(base(21, 8, 2, 256, 128), 3, {16}); c.nvfp4 = true; c.fp8 = false; c.wgmma = 1; c.tile = 1;
+    v.push_back(c); }  // NVFP4 on wgmma
+  { MoeCase c = with_lora(base(7, 8, 2, 128, 192), 3, {1, 16, 128}); c.lora_gemm = 1; c.lora_reduce = 1; v.push_back(c); }
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(MoeSanitize, MoeLayer, ::testing::ValuesIn(moe_sanitize_cases()), moe_test_name);

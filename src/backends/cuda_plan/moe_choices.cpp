@@ -70,7 +70,10 @@ MoeTuning choose_moe_tuning(const MoeProblem& p) {
   }
   const double per_expert = static_cast<double>(p.T) * p.k / std::max(p.E, 1);
   // NVFP4 experts: the W4A16 variant of the mma.sync kernels (moe_gemm.cu), on the tiles chosen
-  // for FP8 above; nothing else reads 4-bit weights. Not yet measured on a GPU.
+  // for FP8 above. H200, `dev_moe_bench nvfp4` (2026-12-05, bench/RESULTS.md): 26.2 us at 1 token,
+  // 227.5 at 64 (2.6-2.8x its 4-bit floor from 8 to 64 tokens), as fast as the FP8 mma.sync kernel.
+  // The wgmma GEMM's 4-bit mode (MoeTuning::wgmma with NVFP4 experts) is not chosen: written
+  // without a GPU, it is only forced by the op suite and the workbench until it is measured.
   if (p.nvfp4_experts) return t;
   // The Hopper grouped GEMM with e4m3 x e4m3 wgmmas from shared memory, FP8 experts. H200,
   // `dev_moe_bench split` (2026-12-04, base layer at Qwen3-30B-A3B shapes, us; bench/RESULTS.md):

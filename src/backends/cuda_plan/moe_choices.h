@@ -25,7 +25,7 @@ struct MoeProblem {
   // The operator allows W8A8 for FP8 experts (--moe-fp8-activations); off: W8A16 everywhere.
   bool allow_fp8_activations = false;
   bool fp8_experts = true;     // FP8 block-scaled experts (else bf16 or NVFP4)
-  bool nvfp4_experts = false;  // NVFP4 experts: the mma.sync kernels' 4-bit variant only
+  bool nvfp4_experts = false;  // NVFP4 experts: the mma.sync kernels' 4-bit variant (see choose_moe_tuning)
 };
 
 struct MoeTuning {
@@ -35,12 +35,18 @@ struct MoeTuning {
   // The gate_up half's expand inside the gate_up GEMM's epilogue (only its shrink launches, on the
   // main stream); lora_fused then concerns the down half alone.
   bool lora_in_gemm = false;
+  // The down half's expand inside moe_reduce (only its shrink launches): the weighted sum adds
+  // u . B of each pair itself instead of reading a [P, H] delta written by an expand kernel. Bit
+  // for bit the expand kernel (same sums, same bf16 rounding); lora_fused is then ignored for the
+  // down half. Not chosen by choose_moe_tuning until measured on the GPU (tests and the workbench
+  // force it).
+  bool lora_down_in_reduce = false;
   bool pdl = true;          // programmatic dependent launch between consecutive kernels
   // FP8 experts only: W8A8 (activations quantised per token per 128 channels, e4m3 MMA) instead
   // of W8A16 (exact bf16 activations, weights dequantised in registers). docs/numerics.md.
   bool act_fp8 = false;
-  // FP8 experts: the Hopper grouped GEMM (TMA weight ring + wgmma, moe_gemm_wgmma.cu) instead of
-  // the mma.sync kernels. Needs moe_wgmma_shape_ok.
+  // FP8 or NVFP4 experts: the Hopper grouped GEMM (TMA weight ring + wgmma, moe_gemm_wgmma.cu)
+  // instead of the mma.sync kernels. Needs moe_wgmma_shape_ok.
   bool wgmma = false;
   // With wgmma and W8A16: the activations as two e4m3 terms (fp8_quant's split form) multiplied by
   // e4m3 x e4m3 wgmmas instead of dequantising the weights in registers (moe_gemm_wgmma.cu).

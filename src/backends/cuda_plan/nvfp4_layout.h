@@ -51,6 +51,13 @@ void nvfp4_pack_scales(const uint8_t* src, int64_t rows, int cols, uint8_t* dst)
 // Byte offset of the scale of (row, group) in the packed scales (the inverse map, for tests).
 int64_t nvfp4_packed_scale_offset(int64_t row, int group, int cols);
 
+// The wgmma GEMM's view (moe_gemm_wgmma.cu): a stage holds 128-wide K chunks. Its scale box copies,
+// for each 16-row tile, the 128 bytes of chunk c at tile-major offset c * 128 (two 64-wide chunks
+// of [16 rows][4 groups]); this is the byte of (row in the tile, group s = 0..7 of the chunk)
+// within them. Its lanes take one group per k16 step: lane c holds k 2c, 2c + 1 and 2c + 8, 2c + 9
+// of the step, which are register c of the group's word 0 and word 1.
+constexpr int nvfp4_chunk128_scale_byte(int row_in_tile, int s) { return (s >> 2) * 64 + row_in_tile * 4 + (s & 3); }
+
 // The PTX `prmt.b32` default mode (what __byte_perm compiles to) for selectors whose nibbles have
 // bit 3 clear: result byte i = byte (s >> 4i) & 7 of the 8-byte value y:x.
 constexpr uint32_t prmt_model(uint32_t x, uint32_t y, uint32_t s) {

@@ -193,8 +193,8 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
   const cuda_plan::MoeTuning tune = moe_tuning(a);
   const MoeGemmTile tile = tune.tile;
   const bool pdl = tune.pdl;
-  MOELORA_CHECK_MSG(a.wtype != MoeWeightType::kNvfp4 || (!tune.wgmma && !tune.generic),
-                    "NVFP4 experts run on the mma.sync grouped GEMMs only");
+  MOELORA_CHECK_MSG(a.wtype != MoeWeightType::kNvfp4 || !tune.generic,
+                    "NVFP4 experts run on the tensor-core grouped GEMMs (mma.sync or wgmma) only");
   const bool act_fp8 = tune.act_fp8 && a.wtype == MoeWeightType::kFp8;
   MOELORA_CHECK_MSG(!act_fp8 || ws.xq, "W8A8 MoE needs a workspace carved with MoeShape::fp8_activations");
   // W8A16 on the wgmma GEMM with the activations in the split form (two e4m3 terms).
@@ -313,13 +313,17 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
   moe_gate_up(g, M);
   if (last == MoeStage::kGateUp) return;
 
-  // ---- down LoRA delta (side stream, concurrent with the base down GEMM).
+  // ---- down LoRA (side stream, concurrent with the base down GEMM): shrink + expand into
+  // delta_d, or only the shrink when moe_reduce adds u . B itself (tune.lora_down_in_reduce).
+  const bool d_in_reduce = lora && tune.lora_down_in_reduce;
   if (lora) {
     if (two_streams) {
       MOELORA_CUDA_CHECK(cudaEventRecord(st.ev_act, M));
       MOELORA_CUDA_CHECK(cudaStreamWaitEvent(S, st.ev_act, 0));
     }
-    if (tune.lora_fused) {
+    if (d_in_reduce) {
+      moe_lora_shrink(shrink_params(a, ws, /*gate_up=*/false, pdl && !two_streams), S);
+    } else if (tune.lora_fused) {
       moe_lora_fused(fused_params(a, ws, /*gate_up=*/false, pdl && !two_streams), S);
     } else {
       // Behind gate_up on one stream; behind an event wait otherwise.
@@ -357,7 +361,14 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
 
   MoeReduceParams r;
   r.y = ws.y;
-  r.lora_delta = lora ? ws.delta_d : nullptr;
+  r.lora_delta = lora && !d_in_reduce ? ws.delta_d : nullptr;
+  if (d_in_reduce) {
+    r.lora_d.token_slot = a.token_slot;
+    r.lora_d.num_slots = a.lora->num_slots;
+    r.lora_d.u = ws.u_d;
+    r.lora_d.ldu = ws.ldu;
+    r.lora_d.b = a.lora->d_b;
+  }
   r.ids = a.ids;
   r.weights = a.weights;
   r.T = a.T;

@@ -11,6 +11,7 @@
 //   M: wait ev_gu, moe_gate_up(+ delta_gu before SwiGLU) -> act, record ev_act
 //   S: wait ev_act, down shrink(act), down expand -> delta_d, record ev_d
 //   M: [fp8 quant act]  moe_down -> y (concurrently with S), wait ev_d, moe_reduce(y, delta_d) -> out
+//   lora_down_in_reduce: S runs only the down shrink, and moe_reduce adds u . B itself (no delta_d).
 // (the fp8 quantisations only in the W8A8 regime, MoeTuning::act_fp8 with FP8 experts)
 // No buffer is written by one stream while the other reads it without an event in between; no
 // allocation happens anywhere (all scratch is the caller's MoeWorkspace). Without a side stream
@@ -102,7 +103,7 @@ struct MoeForwardArgs {
   const float* s_gate_up = nullptr;
   const void* w_down = nullptr;
   const float* s_down = nullptr;
-  // NVFP4 experts (wtype kNvfp4; mma.sync kernels only): group and global scales of each GEMM.
+  // NVFP4 experts (wtype kNvfp4; the tensor-core kernels): group and global scales of each GEMM.
   const uint8_t* group_scale_gate_up = nullptr;
   const float* global_scale_gate_up = nullptr;
   const uint8_t* group_scale_down = nullptr;

@@ -551,38 +551,66 @@ void dispatch(const MoeGemmParams& p, cudaStream_t stream) {
 
 // ---- Weighted sum over k (deterministic: fixed order, no atomics).
 constexpr int kReduceThreads = 256;
+// With the down LoRA expand inside (MoeLoraDown): each thread also reads k rows of B per column,
+// so it takes 2 columns instead of 4 and the blocks are smaller: at one token (H = 2048) 16
+// blocks stream the pairs' B instead of 2.
+constexpr int kReduceLoraThreads = 64;
 
+template <int COLS>
+__device__ __forceinline__ void load_cols(const float* p, float (&v)[COLS]) {
+  if constexpr (COLS == 4) {
+    const float4 f = *reinterpret_cast<const float4*>(p);
+    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+  } else {
+    const float2 f = *reinterpret_cast<const float2*>(p);
+    v[0] = f.x, v[1] = f.y;
+  }
+}
+
+// COLS consecutive columns per thread; the sum over j runs in the same order for every COLS, so
+// the bits do not depend on the variant.
+template <int COLS, bool LORA_IN>
 __global__ void __launch_bounds__(kReduceThreads) moe_reduce_kernel(const __grid_constant__ MoeReduceParams p) {
   pdl_wait();
   pdl_trigger();
-  const int H4 = p.H / 4;
-  const int64_t total = static_cast<int64_t>(p.T) * H4;
+  const int HC = p.H / COLS;
+  const int64_t total = static_cast<int64_t>(p.T) * HC;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int t = static_cast<int>(idx / H4), h = static_cast<int>(idx % H4) * 4;
-    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    const int t = static_cast<int>(idx / HC), h = static_cast<int>(idx % HC) * COLS;
+    float a[COLS];
+#pragma unroll
+    for (int i = 0; i < COLS; ++i) a[i] = 0.0f;
     for (int j = 0; j < p.k; ++j) {
       const int64_t pr = static_cast<int64_t>(t) * p.k + j;
       const int e = p.ids[pr];
       if (e < 0 || e >= p.E) continue;
       const float w = p.weights[pr];
-      float4 v = *reinterpret_cast<const float4*>(p.y + pr * p.H + h);
-      if (p.lora_delta) {
-        const uint2 d = *reinterpret_cast<const uint2*>(p.lora_delta + pr * p.H + h);
-        v.x += bf16_lo(d.x);
-        v.y += bf16_hi(d.x);
-        v.z += bf16_lo(d.y);
-        v.w += bf16_hi(d.y);
+      float v[COLS];
+      load_cols<COLS>(p.y + pr * p.H + h, v);
+      if constexpr (LORA_IN) {
+#pragma unroll
+        for (int i = 0; i < COLS; ++i) v[i] += moe_lora_down_delta(p.lora_d, pr, p.k, e, h + i);
+      } else if (p.lora_delta) {
+#pragma unroll
+        for (int i = 0; i < COLS; i += 2) {
+          const uint32_t d = *reinterpret_cast<const uint32_t*>(p.lora_delta + pr * p.H + h + i);
+          v[i] += bf16_lo(d);
+          v[i + 1] += bf16_hi(d);
+        }
       }
-      a0 = fmaf(w, v.x, a0);
-      a1 = fmaf(w, v.y, a1);
-      a2 = fmaf(w, v.z, a2);
-      a3 = fmaf(w, v.w, a3);
+#pragma unroll
+      for (int i = 0; i < COLS; ++i) a[i] = fmaf(w, v[i], a[i]);
     }
-    uint2 o;
-    o.x = pack_bf16x2(a0, a1);
-    o.y = pack_bf16x2(a2, a3);
-    *reinterpret_cast<uint2*>(p.out + static_cast<int64_t>(t) * p.ldo + h) = o;
+    bf16* o = p.out + static_cast<int64_t>(t) * p.ldo + h;
+    if constexpr (COLS == 4) {
+      uint2 ov;
+      ov.x = pack_bf16x2(a[0], a[1]);
+      ov.y = pack_bf16x2(a[2], a[3]);
+      *reinterpret_cast<uint2*>(o) = ov;
+    } else {
+      *reinterpret_cast<uint32_t*>(o) = pack_bf16x2(a[0], a[1]);
+    }
   }
 }
 
@@ -608,10 +636,19 @@ void moe_down(const MoeGemmParams& p, cudaStream_t stream) {
 void moe_reduce(const MoeReduceParams& p, cudaStream_t stream) {
   MOELORA_CHECK(p.H % 4 == 0 && p.ldo % 4 == 0 && p.k >= 1 && p.y && p.ids && p.weights && p.out);
   MOELORA_CHECK((reinterpret_cast<uintptr_t>(p.out) & 7) == 0);
+  const bool lora_in = p.lora_d.token_slot != nullptr;
+  MOELORA_CHECK(!lora_in || (!p.lora_delta && p.lora_d.u && p.lora_d.b.ptr && p.lora_d.b.stride && p.lora_d.b.rank));
   if (p.T == 0) return;
+  if (lora_in) {
+    const int64_t total = static_cast<int64_t>(p.T) * (p.H / 2);
+    const int grid = static_cast<int>(
+        std::min<int64_t>((total + kReduceLoraThreads - 1) / kReduceLoraThreads, moe_num_sms() * 32));
+    moe_launch(moe_reduce_kernel<2, true>, dim3(grid), dim3(kReduceLoraThreads), 0, stream, p.pdl, p);
+    return;
+  }
   const int64_t total = static_cast<int64_t>(p.T) * (p.H / 4);
   const int grid = static_cast<int>(std::min<int64_t>((total + kReduceThreads - 1) / kReduceThreads, moe_num_sms() * 8));
-  moe_launch(moe_reduce_kernel, dim3(grid), dim3(kReduceThreads), 0, stream, p.pdl, p);
+  moe_launch(moe_reduce_kernel<4, false>, dim3(grid), dim3(kReduceThreads), 0, stream, p.pdl, p);
 }
 
 static void init_all_variants() {

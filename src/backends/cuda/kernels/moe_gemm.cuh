@@ -3,7 +3,8 @@
 //                (the delta read from memory, or computed in the epilogue from u: MoeLoraGateUp)
 //   moe_down:    y[p]   = act[p] Wd[e]^T                                               [P, H] f32
 //   moe_reduce:  out[t] = sum_j w[t,j] (y[t*k+j] + lora_down_delta[t*k+j])              [T, H] bf16
-// Weights are FP8 e4m3 with 128x128 block scales, NVFP4 (mma.sync kernels only), or bf16. Two FP8
+//                (the delta read from memory, or computed in the reduce from u: MoeLoraDown)
+// Weights are FP8 e4m3 with 128x128 block scales, NVFP4 (tensor-core kernels), or bf16. Two FP8
 // regimes (chosen on the host,
 // cuda_plan::choose_moe_tuning; docs/numerics.md):
 //  - W8A16: FP8 is dequantised exactly in registers to bf16 and multiplied on the tensor cores
@@ -84,8 +85,9 @@ struct MoeGemmParams {
   float* y = nullptr;                // [P, H]
   bool pdl = false;
   // Hopper path (moe_gemm_wgmma.cu: TMA weight ring, warpgroup MMAs, producer warp) instead of the
-  // mma.sync kernels; cuda_plan::choose_moe_tuning decides. FP8 weights, bf16 activations, H and I
-  // multiples of 128 (cuda_plan::moe_wgmma_shape_ok).
+  // mma.sync kernels; cuda_plan::choose_moe_tuning decides. FP8 weights (bf16, W8A8 or split-form
+  // activations) or NVFP4 weights (bf16 activations), H and I multiples of 128
+  // (cuda_plan::moe_wgmma_shape_ok).
   bool wgmma = false;
   // The generic kernels (moe_gemm_generic.cu) instead of either tensor-core path: shapes no tile of
   // theirs fits (cuda_plan::choose_moe_tuning). bf16 activations only.
@@ -108,6 +110,7 @@ void moe_down_generic(const MoeGemmParams& p, cudaStream_t stream);
 struct MoeReduceParams {
   const float* y = nullptr;           // [P, H]
   const bf16* lora_delta = nullptr;   // [P, H] down LoRA delta or null
+  MoeLoraDown lora_d;                 // or the delta computed here (lora_d.token_slot set; moe_lora.cuh)
   const int32_t* ids = nullptr;       // [T, k] (pairs with ids outside [0, E) are skipped)
   const float* weights = nullptr;     // [T, k]
   int T = 0, k = 0, E = 0, H = 0;

@@ -30,6 +30,13 @@
 //    producer never waits for its own copies); the consumer then fences the generic-proxy writes
 //    of the token rows for wgmma's async-proxy reads. empty[s] completes when the 8 consumer warps
 //    are done with the stage.
+//  - NVFP4 experts (kW4Bf16, W4A16): a stage's weights are 128 rows x 64 bytes of packed e2m1 codes
+//    plus the rows' e4m3 group scales (9 KB instead of 16), both by TMA without swizzle; each
+//    consumer lane reads its rows' 16-byte code runs and decodes register c of each group's code
+//    words (k 2c, 2c + 1 and 2c + 8, 2c + 9: one group per k16 step) with a byte permutation and
+//    one exact bf16 multiply by the group scale (nvfp4_device.cuh), so the packed layout is the
+//    one moe_gemm.cu's 4-bit kernels read (one upload serves both). The wgmmas accumulate across
+//    chunks; the global scale multiplies the sums in the epilogue.
 //  - History (bench/RESULTS.md, 2026-12-04): a producer that waited for each stage's token rows
 //    before publishing it ran one L2 round trip per stage behind; one TMA box per token row made
 //    32- and 64-row tiles 2-3x slower (64 tiny boxes per stage); 9 warps at over 96 registers or the
@@ -43,6 +50,7 @@
 
 #include "backends/cuda/kernels/moe_align.cuh"
 #include "backends/cuda/kernels/moe_gemm.cuh"
+#include "backends/cuda/kernels/nvfp4_device.cuh"
 
 namespace moelora::cuda {
 namespace {
@@ -54,7 +62,12 @@ constexpr int kKChunk = 128;       // K per stage (FP8 bytes): one 128 x 128 sca
 constexpr int kConsumerWarps = 8;  // two warpgroups
 constexpr int kConsumers = kConsumerWarps * 32;
 constexpr int kThreads = kConsumers + 32;
-constexpr int kABytes = kRowsPerItem * kKChunk;  // FP8 weight tile of a stage
+constexpr int kA8Bytes = kRowsPerItem * kKChunk;  // FP8 weight tile of a stage
+// NVFP4 weight tile of a stage: 128 rows x 64 bytes of packed codes (cuda_plan/nvfp4_layout.h's
+// order), then the rows' e4m3 group scales as the layout stores them, [8 row tiles][2][16][4].
+constexpr int kA4CodeBytes = kRowsPerItem * kKChunk / 2;
+constexpr int kA4ScaleBytes = kRowsPerItem * (kKChunk / 16);
+constexpr int kA4Bytes = kA4CodeBytes + kA4ScaleBytes;
 
 // How the token rows reach the tensor cores (MoeGemmParams: act_fp8, xq_lo).
 enum ActMode : int {
@@ -62,24 +75,29 @@ enum ActMode : int {
   kActFp8 = 1,    // e4m3 rows + per-(row, 128) scales, e4m3 x e4m3 wgmma from shared memory (W8A8)
   kActSplit = 2,  // two e4m3 terms per value (fp8_quant's split form: bf16 to within 2^-17 of the
                   // group's amax), two e4m3 x e4m3 wgmmas per step: W8A16 without any dequantising
+  kW4Bf16 = 3,    // NVFP4 weights (W4A16): bf16 rows as kActBf16; the 4-bit codes and their group
+                  // scales come by TMA and are decoded exactly to bf16 in registers (nvfp4_device.cuh)
 };
 
 template <int BN, int MODE>
 struct WgCfg {
   static_assert(BN == 8 || BN == 16 || BN == 32 || BN == 64, "wgmma n of the token tile");
+  static constexpr bool kW4 = MODE == kW4Bf16;
+  static constexpr int kABytes = kW4 ? kA4Bytes : kA8Bytes;
   // bf16: two 64-wide swizzle columns; e4m3: one 128-byte column per term.
   static constexpr int kBBytes = MODE == kActFp8 ? BN * kKChunk : BN * kKChunk * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
   // <= ~112 KB per CTA, so two CTAs share an SM (four warpgroups computing, 6-10 stages in
-  // flight); the 64-row tile (prefill) takes one CTA per SM with 3 stages.
-  static constexpr int kStages = BN == 8 ? 5 : BN == 16 ? 4 : 3;
+  // flight); the 64-row tile (prefill) takes one CTA per SM with 3 stages. The 4-bit stages are
+  // smaller (9 KB of weights instead of 16): more of them in the same bytes.
+  static constexpr int kStages = kW4 ? (BN == 8 ? 8 : BN == 16 ? 6 : BN == 32 ? 5 : 3) : (BN == 8 ? 5 : BN == 16 ? 4 : 3);
   static constexpr int kEpiStride = kRowsPerItem + 4;  // floats per token row: conflict-free stores
   static constexpr int kEpiBytes = BN * kEpiStride * 4;
   static constexpr int kBarBytes = 2 * kStages * 8;
-  static constexpr int kScaleBytes = MODE == kActBf16 ? 0 : kStages * BN * 4;  // token scales per stage
+  static constexpr int kScaleBytes = MODE == kActBf16 || kW4 ? 0 : kStages * BN * 4;  // token scales per stage
   // 1024 bytes of slack to align the ring to the 128-byte swizzle's 1024-byte atom.
   static constexpr int kSmem = 1024 + kStages * kStageBytes + kEpiBytes + kBarBytes + kScaleBytes;
-  static_assert(kStageBytes % 1024 == 0, "stages keep the swizzle atoms aligned");
+  static_assert(kStageBytes % 1024 == 0 && kABytes % 1024 == 0, "stages and token tiles keep the swizzle atoms aligned");
 };
 
 // ---- mbarrier, TMA, wgmma (PTX).
@@ -238,9 +256,19 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* src, bool pred
 }
 
 struct WgmmaParams {
-  CUtensorMap w_map;  // FP8 weights [E * rows_per_expert, K] bytes, box 128 x (128 down | 64 gate_up)
+  // FP8 weights [E * rows_per_expert, K] bytes, box 128 x (128 down | 64 gate_up), 128-byte swizzle;
+  // NVFP4 codes [E * rows_per_expert, K / 2] bytes, box 64 x (128 | 64), no swizzle.
+  CUtensorMap w_map;
+  // NVFP4 only: the group scales as [E * rows_per_expert / 16 row tiles, K] bytes, box 128 x (8 | 4).
+  CUtensorMap s_map;
   MoeGemmParams g;
 };
+
+// Register j = c (this lane's k 2c, 2c + 1 of a k16 step) of a packed NVFP4 code word, with the
+// selector shift of j precomputed per lane (nvfp4_pair with a runtime j).
+__device__ __forceinline__ uint32_t nvfp4_pair_shifted(uint32_t word, int shift) {
+  return __byte_perm(cuda_plan::kNvfp4LoTable, cuda_plan::kNvfp4HiTable, ((word >> shift) & 0x3333u) | 0x4040u);
+}
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory"); }
 
@@ -299,17 +327,31 @@ __global__ void __maxnreg__(BN == 64 ? 168 : 96) moe_gemm_wgmma_kernel(const __g
       for (int c = 0; c < nchunks; ++c) {
         mbar_wait(&empty[stage], phase ^ 1);
         uint8_t* a_dst = ring + stage * C::kStageBytes;
-        uint8_t* b_dst = a_dst + kABytes;
-        if (lane == 0) {
-          mbar_arrive_expect_tx(&full[stage], kABytes);
+        uint8_t* b_dst = a_dst + C::kABytes;
+        if (C::kW4 && lane == 0) {
+          // Codes (64 bytes of a row per 128-wide K chunk) and the rows' group scales (the 128
+          // bytes of chunk c in each 16-row tile): rows 0..63 gate and 64..127 up, or 128 down rows.
+          mbar_arrive_expect_tx(&full[stage], C::kABytes);
+          uint8_t* s_dst = a_dst + kA4CodeBytes;
+          if (GATE_UP) {
+            tma_load_2d(a_dst, &wp.w_map, c * (kKChunk / 2), row0, &full[stage]);
+            tma_load_2d(a_dst + kA4CodeBytes / 2, &wp.w_map, c * (kKChunk / 2), row0 + p.I, &full[stage]);
+            tma_load_2d(s_dst, &wp.s_map, c * kKChunk, row0 / 16, &full[stage]);
+            tma_load_2d(s_dst + kA4ScaleBytes / 2, &wp.s_map, c * kKChunk, (row0 + p.I) / 16, &full[stage]);
+          } else {
+            tma_load_2d(a_dst, &wp.w_map, c * (kKChunk / 2), row0, &full[stage]);
+            tma_load_2d(s_dst, &wp.s_map, c * kKChunk, row0 / 16, &full[stage]);
+          }
+        } else if (lane == 0) {
+          mbar_arrive_expect_tx(&full[stage], C::kABytes);
           if (GATE_UP) {
             tma_load_2d(a_dst, &wp.w_map, c * kKChunk, row0, &full[stage]);                    // gate rows
-            tma_load_2d(a_dst + kABytes / 2, &wp.w_map, c * kKChunk, row0 + p.I, &full[stage]);  // up rows
+            tma_load_2d(a_dst + C::kABytes / 2, &wp.w_map, c * kKChunk, row0 + p.I, &full[stage]);  // up rows
           } else {
             tma_load_2d(a_dst, &wp.w_map, c * kKChunk, row0, &full[stage]);
           }
         }
-        if constexpr (MODE == kActBf16) {
+        if constexpr (MODE == kActBf16 || C::kW4) {
           // Token tile: BN rows x 16 pieces of 16 bytes (128 bf16); piece q of row r goes to swizzle
           // column q / 8 at row r, 16-byte unit (q % 8) ^ (r % 8) (the 128-byte swizzle's rule).
 #pragma unroll
@@ -357,6 +399,7 @@ __global__ void __maxnreg__(BN == 64 ? 168 : 96) moe_gemm_wgmma_kernel(const __g
   const int scale_rows_per_expert = GATE_UP ? 2 * sblocks_i : (p.H + 127) / 128;
   const int scale_cols = K / 128;
   const uint32_t sel = (c4 & 1) ? 0x7632u : 0x5410u;  // bytes k = 2c, 2c+1 of two words
+  const int shift4 = cuda_plan::nvfp4_pair_shift(c4);  // NVFP4: this lane's register of a code word
   int stage = 0;
   uint32_t phase = 0;
   for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
@@ -370,22 +413,61 @@ __global__ void __maxnreg__(BN == 64 ? 168 : 96) moe_gemm_wgmma_kernel(const __g
     } else {
       srow = blk * kRowsPerItem / 128;
     }
-    const float* sptr = p.w_scale + (static_cast<int64_t>(expert) * scale_rows_per_expert + srow) * scale_cols;
+    // FP8 block scales (NVFP4 carries its group scales in the stage and has no block scales).
+    const float* sptr =
+        C::kW4 ? nullptr : p.w_scale + (static_cast<int64_t>(expert) * scale_rows_per_expert + srow) * scale_cols;
 
     float acc[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
-    float sc_next = __ldg(sptr);
+    float sc_next = C::kW4 ? 1.0f : __ldg(sptr);
     for (int c = 0; c < nchunks; ++c) {
       const float sc = sc_next;
-      if (c + 1 < nchunks) sc_next = __ldg(sptr + c + 1);
+      if (!C::kW4 && c + 1 < nchunks) sc_next = __ldg(sptr + c + 1);
       mbar_wait(&full[stage], phase);
       // The token rows were written by cp.async (generic proxy) and wgmma reads them through the
       // async proxy: order the two (the weight bytes came by TMA, already in the async proxy).
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       const uint8_t* a_s = ring + stage * C::kStageBytes;
-      const uint32_t b_s = smem_u32(a_s + kABytes);
-      if constexpr (MODE != kActBf16) {
+      const uint32_t b_s = smem_u32(a_s + C::kABytes);
+      if constexpr (C::kW4) {
+        // This lane's rows r0 and r0 + 8: 16 bytes of codes per pair of k16 steps (one NVFP4 group
+        // per step: groups 2u, 2u + 1) and the rows' 8 group scales of the chunk (row tile `warp`,
+        // rows g and g + 8). Lane c needs register c of each group's two code words (k 2c, 2c + 1
+        // and 2c + 8, 2c + 9), times the group scale: the exact products of nvfp4_device.cuh. Each
+        // step is decoded right before its wgmma, which accumulates across chunks (no block scale;
+        // the global scale multiplies the sums in the epilogue, as in moe_gemm.cu).
+        using cuda_plan::nvfp4_chunk128_scale_byte;
+        const uint8_t* codes = a_s + r0 * (kKChunk / 2);
+        const uint8_t* tile_s = a_s + kA4CodeBytes + warp * 128;  // row tile r0 / 16 == warp
+        auto scale_word = [&](int row, int s0) {  // groups s0 .. s0 + 3 of a row, byte i = group s0 + i
+          return *reinterpret_cast<const uint32_t*>(tile_s + nvfp4_chunk128_scale_byte(row, s0));
+        };
+        const uint32_t sg[2] = {scale_word(g, 0), scale_word(g, 4)};
+        const uint32_t sg8[2] = {scale_word(g + 8, 0), scale_word(g + 8, 4)};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const uint4 q0 = *reinterpret_cast<const uint4*>(codes + 16 * u);
+          const uint4 q8 = *reinterpret_cast<const uint4*>(codes + 8 * (kKChunk / 2) + 16 * u);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int s = 2 * u + h;
+            const uint32_t s2 = nvfp4_scales_bf16x2((sg[s >> 2] >> (8 * (s & 3))) & 0xffu, (sg8[s >> 2] >> (8 * (s & 3))) & 0xffu);
+            const uint32_t s_g = bf16x2_dup_lo(s2), s_g8 = bf16x2_dup_hi(s2);
+            uint32_t afr[4];
+            afr[0] = nvfp4_bf16x2_mul(nvfp4_pair_shifted(h ? q0.z : q0.x, shift4), s_g);   // row g: k 2c, 2c+1
+            afr[2] = nvfp4_bf16x2_mul(nvfp4_pair_shifted(h ? q0.w : q0.y, shift4), s_g);   // row g: k 2c+8, 2c+9
+            afr[1] = nvfp4_bf16x2_mul(nvfp4_pair_shifted(h ? q8.z : q8.x, shift4), s_g8);  // row g + 8
+            afr[3] = nvfp4_bf16x2_mul(nvfp4_pair_shifted(h ? q8.w : q8.y, shift4), s_g8);
+            wgmma_fence();
+            Wgmma<BN>::mma(acc, afr, desc_sw128(b_s + (s >> 2) * (BN * 128) + (s & 3) * 32), c > 0 || s > 0);
+          }
+        }
+        wgmma_commit();
+        wgmma_wait0();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[stage]);
+      } else if constexpr (MODE != kActBf16) {
         // Both operands from shared memory: this warpgroup's 64 weight rows and the token tile
         // (and its low term), 4 k32 steps each; no register work per weight byte.
         const uint32_t a_w = smem_u32(a_s) + (warp >> 2) * (64 * 128);
@@ -451,6 +533,11 @@ __global__ void __maxnreg__(BN == 64 ? 168 : 96) moe_gemm_wgmma_kernel(const __g
       }
     }
 
+    if constexpr (C::kW4) {  // weight_scale_2 * 2^26 of this warpgroup's half (gate_up) or the expert (down)
+      const float gsc = __ldg(p.w_global_scale + (GATE_UP ? 2 * expert + (warp >= 4 ? 1 : 0) : expert));
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] *= gsc;
+    }
     // ---- Epilogue through shared memory: epi[token][row].
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
@@ -508,50 +595,55 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return fn;
 }
 
+// A 2-D row-major map of bytes: `rows` rows of `cols` bytes, `stride` bytes apart, boxes of
+// box_cols x box_rows, in the 128-byte swizzle (FP8 weights, read by wgmma descriptors) or plain
+// (NVFP4 codes and scales, read by the consumers' shared loads).
 struct MapKey {
   const void* base;
   int64_t cols, rows, stride;
-  int box_rows;
+  int box_cols, box_rows;
+  bool swizzle;
   bool operator==(const MapKey& o) const {
-    return base == o.base && cols == o.cols && rows == o.rows && stride == o.stride && box_rows == o.box_rows;
+    return base == o.base && cols == o.cols && rows == o.rows && stride == o.stride && box_cols == o.box_cols &&
+           box_rows == o.box_rows && swizzle == o.swizzle;
   }
 };
 struct MapKeyHash {
   size_t operator()(const MapKey& k) const {
     size_t h = std::hash<const void*>()(k.base);
-    for (int64_t v : {k.cols, k.rows, k.stride, static_cast<int64_t>(k.box_rows)})
+    for (int64_t v : {k.cols, k.rows, k.stride, static_cast<int64_t>(k.box_cols), static_cast<int64_t>(k.box_rows),
+                      static_cast<int64_t>(k.swizzle)})
       h = h * 1000003u ^ std::hash<int64_t>()(v);
     return h;
   }
 };
 
-// Encodes a 2-D row-major map of bytes: `rows` rows of `cols` bytes, `stride` bytes apart, boxes of
-// kKChunk x box_rows in the 128-byte swizzle.
-CUtensorMap encode_map(const void* base, int64_t cols, int64_t rows, int64_t stride, int box_rows) {
+CUtensorMap encode_map(const MapKey& k) {
   CUtensorMap map{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kKChunk), static_cast<cuuint32_t>(box_rows)};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k.cols), static_cast<cuuint64_t>(k.rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k.stride)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(k.box_cols), static_cast<cuuint32_t>(k.box_rows)};
   const cuuint32_t estrides[2] = {1, 1};
-  const CUresult r = encode_fn()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, estrides,
-                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  const CUresult r = encode_fn()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(k.base), dims, strides, box,
+                                 estrides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                 k.swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MOELORA_CHECK_MSG(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed ({} x {}, stride {})", rows, cols, stride);
+  MOELORA_CHECK_MSG(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed ({} x {}, stride {}, box {} x {})", k.rows, k.cols,
+                    k.stride, k.box_rows, k.box_cols);
   return map;
 }
 
 // Maps are pure functions of their key, so a cache hit is always right; the cache only saves the
 // host ~1 us per map in eager steps (graph replay bakes the maps into the graph). Bounded: the
 // keys are the expert weights, which are fixed.
-CUtensorMap cached_map(const void* base, int64_t cols, int64_t rows, int64_t stride, int box_rows) {
+CUtensorMap cached_map(const MapKey& key) {
   static std::mutex mu;
   static std::unordered_map<MapKey, CUtensorMap, MapKeyHash> cache;
-  const MapKey key{base, cols, rows, stride, box_rows};
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   if (cache.size() > 4096) cache.clear();
-  const CUtensorMap map = encode_map(base, cols, rows, stride, box_rows);
+  const CUtensorMap map = encode_map(key);
   cache.emplace(key, map);
   return map;
 }
@@ -581,7 +673,13 @@ void launch(const MoeGemmParams& p, cudaStream_t stream) {
   wp.g = p;
   const int64_t rows = static_cast<int64_t>(p.E) * (GU ? 2 * p.I : p.H);
   const int K = GU ? p.H : p.I;
-  wp.w_map = cached_map(p.w, K, rows, K, GU ? kRowsPerItem / 2 : kRowsPerItem);
+  const int box_rows = GU ? kRowsPerItem / 2 : kRowsPerItem;
+  if constexpr (MODE == kW4Bf16) {
+    wp.w_map = cached_map(MapKey{p.w, K / 2, rows, K / 2, kKChunk / 2, box_rows, false});
+    wp.s_map = cached_map(MapKey{p.w_group_scale, K, rows / 16, K, kKChunk, box_rows / 16, false});
+  } else {
+    wp.w_map = cached_map(MapKey{p.w, K, rows, K, kKChunk, box_rows, true});
+  }
   const int nblocks = GU ? p.I / (kRowsPerItem / 2) : p.H / kRowsPerItem;
   const int64_t max_items = static_cast<int64_t>(p.max_tiles) * nblocks;
   const int grid =
@@ -592,7 +690,8 @@ void launch(const MoeGemmParams& p, cudaStream_t stream) {
 
 template <int BN, bool GU>
 void launch_mode(const MoeGemmParams& p, cudaStream_t stream) {
-  if (!p.act_fp8) launch<BN, GU, kActBf16>(p, stream);
+  if (p.wtype == MoeWeightType::kNvfp4) launch<BN, GU, kW4Bf16>(p, stream);
+  else if (!p.act_fp8) launch<BN, GU, kActBf16>(p, stream);
   else if (p.xq_lo == nullptr) launch<BN, GU, kActFp8>(p, stream);
   else launch<BN, GU, kActSplit>(p, stream);
 }
@@ -600,11 +699,15 @@ void launch_mode(const MoeGemmParams& p, cudaStream_t stream) {
 template <bool GU>
 void dispatch(const MoeGemmParams& p, cudaStream_t stream) {
   MOELORA_CHECK_MSG(cuda_plan::moe_wgmma_shape_ok(p.H, p.I), "the wgmma MoE GEMM needs H and I multiples of 128");
-  MOELORA_CHECK_MSG(p.wtype == MoeWeightType::kFp8, "the wgmma MoE GEMM takes FP8 weights");
+  const bool f4 = p.wtype == MoeWeightType::kNvfp4;
+  MOELORA_CHECK_MSG(p.wtype == MoeWeightType::kFp8 || f4, "the wgmma MoE GEMM takes FP8 or NVFP4 weights");
+  MOELORA_CHECK_MSG(!f4 || !p.act_fp8, "NVFP4 experts take bf16 activations (W4A16)");
   MOELORA_CHECK(!p.act_fp8 || (p.xq && p.xs && p.ldxq % 16 == 0 && (reinterpret_cast<uintptr_t>(p.xq) & 15) == 0 &&
                                (!p.xq_lo || (reinterpret_cast<uintptr_t>(p.xq_lo) & 15) == 0)));
   MOELORA_CHECK(p.x && p.ldx % 8 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0);
-  MOELORA_CHECK((reinterpret_cast<uintptr_t>(p.w) & 15) == 0 && p.w_scale && p.tile_pairs && p.tiles && p.counters);
+  MOELORA_CHECK((reinterpret_cast<uintptr_t>(p.w) & 15) == 0 && p.tile_pairs && p.tiles && p.counters);
+  MOELORA_CHECK(f4 ? (p.w_group_scale && p.w_global_scale && (reinterpret_cast<uintptr_t>(p.w_group_scale) & 15) == 0)
+                   : p.w_scale != nullptr);
   MOELORA_CHECK(p.align_tile_rows == moe_gemm_tile_rows(p.tile));
   MOELORA_CHECK(GU ? (p.act && p.top_k >= 1) : (p.y != nullptr));
   switch (p.tile) {
@@ -620,6 +723,7 @@ void init_modes() {
   occupancy_of<BN, true, kActBf16>(), occupancy_of<BN, false, kActBf16>();
   occupancy_of<BN, true, kActFp8>(), occupancy_of<BN, false, kActFp8>();
   occupancy_of<BN, true, kActSplit>(), occupancy_of<BN, false, kActSplit>();
+  occupancy_of<BN, true, kW4Bf16>(), occupancy_of<BN, false, kW4Bf16>();
 }
 
 }  // namespace

@@ -112,6 +112,18 @@ struct MoeLoraGateUp {
   MoeLoraFactors b;                     // gate_up B, [2I, r] per expert
 };
 
+// The down half's expand inside moe_reduce (MoeTuning::lora_down_in_reduce): the weighted sum
+// over k adds u[p] . B[h] of each routed pair itself, from the u rows moe_lora_shrink wrote over
+// l_tiles (x = act). No expand launch and no [P, H] delta round trip; B rows come from L1/L2 after
+// the first token of a (slot, expert). Bit for bit moe_lora_expand + the delta add, as above.
+struct MoeLoraDown {
+  const int32_t* token_slot = nullptr;  // [T] adapter slot per token; null: no LoRA in the reduce
+  int num_slots = 0;
+  const float* u = nullptr;             // [P, ldu] (u_d)
+  int ldu = 0;
+  MoeLoraFactors b;                     // down B, [H, r] per expert
+};
+
 #ifdef __CUDACC__
 // u . B row (r values), f32, j ascending: moe_lora_expand's sum. Rows of 16 bytes when `vec`.
 __device__ __forceinline__ float moe_lora_row_dot(const float* u, const bf16* row, int r, bool vec) {
@@ -143,6 +155,18 @@ __device__ __forceinline__ void moe_lora_gate_up_delta(const MoeLoraGateUp& l, i
   const bool vec = r % 8 == 0 && (reinterpret_cast<uintptr_t>(B) & 15) == 0;
   d_gate = __bfloat162float(__float2bfloat16_rn(moe_lora_row_dot(u, B + static_cast<int64_t>(f) * r, r, vec)));
   d_up = __bfloat162float(__float2bfloat16_rn(moe_lora_row_dot(u, B + static_cast<int64_t>(I + f) * r, r, vec)));
+}
+
+// The down LoRA delta of pair `pair` (token `pair / top_k`, routed to `expert`) for output column
+// h, rounded to bf16 as the delta buffer stores it; 0 without an adapter or with a rank-0 slot.
+__device__ __forceinline__ float moe_lora_down_delta(const MoeLoraDown& l, int64_t pair, int top_k, int expert, int h) {
+  const int s = l.token_slot[pair / top_k];
+  const int r = (s >= 0 && s < l.num_slots) ? min(l.b.rank[s], kMoeLoraMaxRank) : 0;
+  if (r == 0) return 0.0f;
+  const bf16* B = reinterpret_cast<const bf16*>(l.b.ptr[s]) + expert * l.b.stride[s];
+  const bool vec = r % 8 == 0 && (reinterpret_cast<uintptr_t>(B) & 15) == 0;
+  return __bfloat162float(
+      __float2bfloat16_rn(moe_lora_row_dot(l.u + pair * l.ldu, B + static_cast<int64_t>(h) * r, r, vec)));
 }
 #endif
 
