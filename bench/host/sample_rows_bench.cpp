@@ -1,5 +1,6 @@
 // Host cost of the sampler's per-step rows (runtime/sampler.h) for penalised requests: the
-// recount from the whole context against the incremental PenaltyCounts the engine keeps. This
+// recount from the whole context, the incremental PenaltyCounts the engine keeps for a sequence
+// without a penalty slot, and the rows of sequences whose counts a penalty slot keeps. This
 // runs on the engine thread before every Backend::sample, so it is host time on the step's
 // critical path. Run: build/bench/host/moelora_bench_sample_rows (Google Benchmark flags apply).
 #include <benchmark/benchmark.h>
@@ -59,8 +60,24 @@ void BM_IncrementalCounts(benchmark::State& st) {
   st.counters["edits_per_step"] = static_cast<double>(edits) / static_cast<double>(st.iterations());
 }
 
+// Rows of sequences whose counts the backend keeps in penalty slots (ops/sampling.h): only the
+// per-step edits are built on the host (none here), whatever the context.
+void BM_PenaltySlotRows(benchmark::State& st) {
+  Rows rows(static_cast<int>(st.range(0)), static_cast<int>(st.range(1)));
+  size_t edits = 0;
+  for (auto _ : st) {
+    for (size_t r = 0; r < rows.tokens.size(); ++r)
+      edits += make_slot_sample_row(rows.p, 1, rows.tokens[r], rows.prompt, {0}, kVocab, static_cast<int>(r)).edits.size();
+    st.PauseTiming();
+    for (auto& t : rows.tokens) t.push_back(static_cast<int32_t>(edits % kVocab));
+    st.ResumeTiming();
+  }
+  st.counters["edits_per_step"] = static_cast<double>(edits) / static_cast<double>(st.iterations());
+}
+
 BENCHMARK(BM_RecountEveryStep)->Args({256, 4096})->Args({64, 512})->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_IncrementalCounts)->Args({256, 4096})->Args({64, 512})->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PenaltySlotRows)->Args({256, 4096})->Args({64, 512})->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace moelora

@@ -242,7 +242,20 @@ class Backend {
   //     (ties: lower id) among kept tokens with a finite p_i; if there is none, token = first.
   //  4. logprob = raw_token - logsumexp(raw); top_logprobs = the first `logprobs` tokens by
   //     (raw desc, id asc) with their log-softmax (raw: before processing and temperature).
+  //  5. a row with penalty_slot >= 0 samples with the edits penalty_slot_edits(row, slot's cells)
+  //     (ops/sampling.h), and its drawn token is then counted into the slot: cell =
+  //     penalty_count(cell, /*generated=*/true). No two rows of a call share a slot.
   virtual std::vector<SampleOutput> sample(const Tensor& logits, const std::vector<SampleRow>& rows) = 0;
+  // ---- Penalty slots (ops/sampling.h): `penalty_slots()` slots of `vocab` cells each, allocated
+  // (zeroed) by reserve_penalty_slots at start-up (0 slots: the backend keeps none and penalised
+  // rows carry their counts as edits). penalty_reset(slot, tokens, prompt_len) makes the slot
+  // count `tokens` (prompt first): every cell zero, then penalty_count(cell, i >= prompt_len) for
+  // each token i. Ordered with sample() as calls on the engine thread are.
+  virtual void reserve_penalty_slots(int n, int vocab) {}
+  virtual int penalty_slots() const { return 0; }
+  virtual void penalty_reset(int slot, const std::vector<int32_t>& tokens, int prompt_len) {
+    MOELORA_CHECK_MSG(false, "the {} backend keeps no penalty slots", name());
+  }
   // Seconds the calling thread spent blocked on the device since the last call (0 on the CPU):
   // a step's wall time minus this is its host time.
   virtual double take_device_wait_seconds() { return 0.0; }

@@ -49,7 +49,10 @@ struct SampleRow {
   float presence = 0.0f, frequency = 0.0f, repetition = 1.0f;
   bool restrict_to_allowed = false;  // tokens without an `allowed` edit are banned
   std::vector<LogitEdit> edits;      // sorted by token, one per token
-  bool has_processing() const { return restrict_to_allowed || !edits.empty(); }
+  // >= 0: the penalties' counts come from this penalty slot of the backend (see "Penalty slots"
+  // below) instead of edits, and sampling counts the drawn token into it.
+  int32_t penalty_slot = -1;
+  bool has_processing() const { return restrict_to_allowed || !edits.empty() || penalty_slot >= 0; }
 };
 
 struct SampleOutput {
@@ -59,6 +62,56 @@ struct SampleOutput {
 };
 
 constexpr int kMaxTopLogprobs = 20;
+
+// ---- Penalty slots: a sequence's penalty counts kept by the backend (Backend::penalty_reset), so a
+// penalised row carries only its per-step edits and its counts never cross from the host again.
+// One cell per vocabulary token: bit 31 in_context (in prompt or output), bits 0..30 out_count
+// (occurrences among the generated tokens). A row with penalty_slot samples exactly as the row
+// whose edits are its own merged, token by token, with its slot's cells (penalty_slot_edits):
+// the edits the host's counts would have given it (runtime/sampler.h).
+constexpr uint32_t kPenaltyInContext = 0x80000000u;
+
+// The repetition penalty reads in_context; frequency and presence read out_count.
+MOELORA_HD bool penalty_wants_context(float repetition) { return repetition != 1.0f; }
+MOELORA_HD bool penalty_wants_output(float presence, float frequency) { return frequency != 0.0f || presence != 0.0f; }
+// Whether a token's cell gives it an edit: in context under a repetition penalty, or generated at
+// least once under a frequency or presence penalty.
+MOELORA_HD bool penalty_cell_edits(uint32_t cell, bool ctx, bool out) {
+  return (ctx && (cell & kPenaltyInContext) != 0) || (out && (cell & ~kPenaltyInContext) != 0);
+}
+// `e` (the row's own edit of the token, or a default one) with the cell's counts in the fields
+// the row's penalties read.
+MOELORA_HD LogitEdit penalty_merge(LogitEdit e, uint32_t cell, bool ctx, bool out) {
+  if (ctx) e.in_context = (cell & kPenaltyInContext) != 0 ? 1 : 0;
+  if (out) e.out_count = static_cast<int32_t>(cell & ~kPenaltyInContext);
+  return e;
+}
+// A cell after its token was drawn (or appended): in context, one more occurrence if generated.
+MOELORA_HD uint32_t penalty_count(uint32_t cell, bool generated) { return (cell + (generated ? 1u : 0u)) | kPenaltyInContext; }
+
+// A slot's cells after Backend::penalty_reset(tokens, prompt_len) (host form of the contract).
+inline void penalty_reset_cells(uint32_t* cells, int vocab, const std::vector<int32_t>& tokens, int prompt_len) {
+  for (int t = 0; t < vocab; ++t) cells[t] = 0;
+  for (size_t i = 0; i < tokens.size(); ++i) cells[tokens[i]] = penalty_count(cells[tokens[i]], static_cast<int>(i) >= prompt_len);
+}
+
+// The edits a row with a penalty slot samples with: its own, merged with `cells` [vocab], sorted by
+// token (host; the CPU backend samples from these, the GPU tests compare against them).
+inline std::vector<LogitEdit> penalty_slot_edits(const SampleRow& r, const uint32_t* cells, int vocab) {
+  const bool ctx = penalty_wants_context(r.repetition), out = penalty_wants_output(r.presence, r.frequency);
+  std::vector<LogitEdit> merged;
+  size_t e = 0;
+  for (int32_t t = 0; t < vocab; ++t) {
+    const bool own = e < r.edits.size() && r.edits[e].token == t;
+    if (!own && !penalty_cell_edits(cells[t], ctx, out)) continue;
+    LogitEdit m;
+    if (own) m = r.edits[e++];
+    m.token = t;
+    merged.push_back(penalty_merge(m, cells[t], ctx, out));
+  }
+  merged.insert(merged.end(), r.edits.begin() + e, r.edits.end());  // unsorted or outside the vocabulary: the caller refuses them
+  return merged;
+}
 
 namespace sampling {
 

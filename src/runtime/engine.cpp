@@ -105,6 +105,8 @@ struct Engine::Impl {
   std::unique_ptr<LoraSlotPool> slots;
   std::unique_ptr<AdapterRegistry> registry;
   std::unique_ptr<Scheduler> scheduler;
+  // Free penalty slots of the backend (engine thread only; sequences give theirs back on exit).
+  std::shared_ptr<PenaltySlotLease::Pool> penalty_free = std::make_shared<PenaltySlotLease::Pool>();
 
   mutable std::mutex mu;
   std::condition_variable cv;
@@ -230,9 +232,23 @@ struct Engine::Impl {
         rows.reserve(step.samplers.size());
         const ModelConfig& cfg = model->config();
         for (Sequence* s : step.samplers) {
-          s->penalties.sync(s->req.sampling, s->tokens, s->prompt_len);
-          rows.push_back(make_sample_row(s->req.sampling, s->seed, s->tokens, s->prompt_len, cfg.eos_token_ids,
-                                         cfg.vocab_size, s->penalties));
+          const SamplingParams& sp = s->req.sampling;
+          // A penalised sequence takes a free penalty slot at its first sample (its whole context
+          // counted once, on the device); after that the sampler counts each drawn token there, so
+          // the slot counts exactly s->tokens (every drawn token is appended below).
+          if (s->penalty_slot.slot() < 0 && !penalty_free->empty() && wants_penalty_counts(sp)) {
+            s->penalty_slot = PenaltySlotLease(penalty_free, penalty_free->back());
+            penalty_free->pop_back();
+            backend->penalty_reset(s->penalty_slot.slot(), s->tokens, s->prompt_len);
+          }
+          if (s->penalty_slot.slot() >= 0) {
+            rows.push_back(make_slot_sample_row(sp, s->seed, s->tokens, s->prompt_len, cfg.eos_token_ids,
+                                                cfg.vocab_size, s->penalty_slot.slot()));
+          } else {
+            s->penalties.sync(sp, s->tokens, s->prompt_len);
+            rows.push_back(make_sample_row(sp, s->seed, s->tokens, s->prompt_len, cfg.eos_token_ids, cfg.vocab_size,
+                                           s->penalties));
+          }
         }
         std::vector<SampleOutput> sampled = backend->sample(logits, rows);
         const auto t_end = std::chrono::steady_clock::now();
@@ -327,6 +343,14 @@ Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Backend> backend,
   impl->opts = opts;
   const ModelConfig& cfg = model->config();
   impl->max_len = opts.max_model_len > 0 ? opts.max_model_len : cfg.max_position_embeddings;
+  // Penalty slots before the KV cache is sized, so their memory is not the cache's.
+  const int want_penalty_slots = opts.penalty_slots < 0 ? std::min(opts.max_num_seqs, 256) : opts.penalty_slots;
+  backend->reserve_penalty_slots(want_penalty_slots, cfg.vocab_size);
+  for (int i = backend->penalty_slots() - 1; i >= 0; --i) impl->penalty_free->push_back(i);
+  if (backend->penalty_slots() > 0)
+    MOELORA_LOG_INFO("engine: {} penalty slots ({:.1f} MiB): penalised requests keep their token counts on the {} backend",
+                     backend->penalty_slots(), static_cast<double>(backend->penalty_slots()) * cfg.vocab_size * 4 / (1 << 20),
+                     backend->name());
   MOELORA_ASSIGN_OR_RETURN(const int num_pages, size_kv_cache(*model, *backend, opts, impl->max_len));
   impl->kv = model->alloc_kv_cache(num_pages, opts.kv_page_size);
   impl->pages = std::make_unique<KvCacheManager>(num_pages, opts.kv_page_size, opts.enable_prefix_cache);

@@ -136,6 +136,18 @@ SampleRow make_sample_row(const SamplingParams& p, uint64_t seed, const std::vec
   return r;
 }
 
+bool wants_penalty_counts(const SamplingParams& p) { return wants_context(p) || wants_output(p); }
+
+SampleRow make_slot_sample_row(const SamplingParams& p, uint64_t seed, const std::vector<int32_t>& tokens,
+                               int prompt_len, const std::vector<int>& eos_ids, int vocab, int penalty_slot) {
+  std::map<int32_t, LogitEdit> edits;
+  SampleRow r = row_without_counts(p, seed, tokens, prompt_len, eos_ids, vocab, edits);
+  r.edits.reserve(edits.size());
+  for (const auto& [t, e] : edits) r.edits.push_back(e);
+  r.penalty_slot = penalty_slot;
+  return r;
+}
+
 Status validate_sampling(const SamplingParams& p, int vocab) {
   if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature))
     return invalid_argument("temperature must be a finite number >= 0, got {}", p.temperature);

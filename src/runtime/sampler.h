@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "ops/sampling.h"
@@ -46,6 +47,47 @@ class PenaltyCounts {
 // recount: identical result, O(distinct tokens) per step.
 SampleRow make_sample_row(const SamplingParams& p, uint64_t seed, const std::vector<int32_t>& tokens, int prompt_len,
                           const std::vector<int>& eos_ids, int vocab, const PenaltyCounts& counts);
+
+// Whether a request's penalties read token counts (repetition, frequency or presence penalty).
+bool wants_penalty_counts(const SamplingParams& p);
+
+// The row of a sequence whose counts the backend keeps in penalty slot `penalty_slot`
+// (Backend::penalty_reset; ops/sampling.h): only the per-step edits (bias, allowed, min_tokens,
+// bad_words) are built here, O(those) per step whatever the context length. Samples exactly as the
+// row from PenaltyCounts does when the slot counts the same tokens.
+SampleRow make_slot_sample_row(const SamplingParams& p, uint64_t seed, const std::vector<int32_t>& tokens,
+                               int prompt_len, const std::vector<int>& eos_ids, int vocab, int penalty_slot);
+
+// A backend penalty slot held by one sequence, given back to its pool when the sequence ends,
+// however it ends (finished, cancelled, failed, engine stopping). Engine thread only.
+class PenaltySlotLease {
+ public:
+  using Pool = std::vector<int>;  // free slots
+  PenaltySlotLease() = default;
+  PenaltySlotLease(std::shared_ptr<Pool> pool, int slot) : pool_(std::move(pool)), slot_(slot) {}
+  PenaltySlotLease(PenaltySlotLease&& o) noexcept : pool_(std::move(o.pool_)), slot_(o.slot_) { o.slot_ = -1; }
+  PenaltySlotLease& operator=(PenaltySlotLease&& o) noexcept {
+    if (this != &o) {
+      release();
+      pool_ = std::move(o.pool_);
+      slot_ = o.slot_;
+      o.slot_ = -1;
+    }
+    return *this;
+  }
+  PenaltySlotLease(const PenaltySlotLease&) = delete;
+  PenaltySlotLease& operator=(const PenaltySlotLease&) = delete;
+  ~PenaltySlotLease() { release(); }
+  int slot() const { return slot_; }
+
+ private:
+  void release() {
+    if (pool_ && slot_ >= 0) pool_->push_back(slot_);
+    slot_ = -1;
+  }
+  std::shared_ptr<Pool> pool_;
+  int slot_ = -1;
+};
 
 // Checks a request's sampling values against the vocabulary (ranges as vLLM's).
 Status validate_sampling(const SamplingParams& p, int vocab);

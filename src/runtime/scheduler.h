@@ -36,6 +36,7 @@ struct Sequence {
   int slot = -1;
   uint64_t seed = 0;             // sampling seed: the request's, or drawn at submission
   PenaltyCounts penalties;       // token counts for the penalties, synced before each sample
+  PenaltySlotLease penalty_slot; // or the backend's penalty slot that counts `tokens` (slot() >= 0)
   uint64_t arrival = 0;
   int cached_tokens = 0;
   bool first_token_sent = false;

@@ -3,10 +3,12 @@
 // kLogprobAbs. The contract (ops/backend.h) makes every decision with exact integer masses or
 // single correctly rounded double operations; the only allowed difference is a device exp/log
 // ulp right at a decision boundary, which these random cases do not hit (a mismatch fails).
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <map>
 
+#include "backends/cpu/cpu_backend.h"
 #include "backends/cpu/cpu_ops.h"
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/kernels/sampling.cuh"
@@ -247,6 +249,74 @@ TEST(SampleStream, SameTokensAsReferenceEveryStep) {
   int same = 0;
   for (int s = 0; s < steps; ++s) same += got[s].token == want[s].token;
   EXPECT_EQ(same, steps);
+}
+
+// Penalty slots (ops/sampling.h): rows whose counts the backend keeps, mixed with rows that carry
+// their counts as edits and rows without penalties, against the CPU backend's slots (which sample
+// with penalty_slot_edits through cpu::sample) over consecutive steps: the same tokens every step,
+// so the device counts each drawn token as the reference does. A slot is reset twice before one
+// step (the last reset counts) and another mid-run; one row restricts to allowed tokens.
+TEST(SamplePenaltySlots, SameTokensAsTheCpuBackendEveryStep) {
+  MOELORA_REQUIRE_GPU();
+  for (const int V : {4096, 151936}) {
+    Rng rng(seed_of("penalty-slots") + V);
+    const int R = 6, steps = 24;
+    CudaBackend gpu(CudaBackendOptions{.arena_bytes = 64 << 20});
+    CpuBackend cpu;
+    gpu.reserve_penalty_slots(4, V);
+    cpu.reserve_penalty_slots(4, V);
+    ASSERT_EQ(gpu.penalty_slots(), 4);
+    // Row r's slot (rows 4, 5 have none: row 4 carries counts as edits, row 5 has no penalty).
+    const int slot_of[R] = {3, 1, 0, 2, -1, -1};
+    std::vector<std::vector<int32_t>> tokens(R);
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 50 + 10 * r; ++i) tokens[r].push_back(rng.integer(0, 199));  // repeats: strong counts
+    for (Backend* b : std::vector<Backend*>{&gpu, &cpu}) {
+      b->penalty_reset(3, {1, 2, 3}, 3);  // replaced by the next reset of slot 3 before any sample
+      for (int r = 0; r < 4; ++r) b->penalty_reset(slot_of[r], tokens[r], 40);
+    }
+    for (int step = 0; step < steps; ++step) {
+      if (step == 10)  // slot 1 starts over with its row's whole context
+        for (Backend* b : std::vector<Backend*>{&gpu, &cpu}) b->penalty_reset(1, tokens[1], 40);
+      std::vector<float> x = make_logits(rng, R, V, V);
+      for (int r = 0; r < R; ++r)
+        for (int t = 0; t < 200; ++t) x[static_cast<size_t>(r) * V + t] += 4.0f;  // the contexts' tokens compete
+      std::vector<SampleRow> rows(R);
+      for (int r = 0; r < R; ++r) {
+        SampleRow& row = rows[r];
+        row.temperature = r == 2 ? 0.0f : 0.9f, row.top_p = 0.9f, row.top_k = r == 1 ? 50 : 0, row.logprobs = r % 3;
+        row.seed = 1000 + r, row.step = static_cast<uint64_t>(step);
+        if (r != 5) row.repetition = r == 3 ? 1.0f : 1.6f, row.frequency = r % 2 ? 0.7f : 0.0f, row.presence = r == 0 ? -0.5f : 0.6f;
+        LogitEdit bias;
+        bias.token = 7 + r, bias.bias = 2.5f;
+        if (r == 0) bias.allowed = 1;
+        row.edits.push_back(bias);
+        if (r == 0) {  // restricted to 30 tokens of the contexts, with allowed edits
+          row.restrict_to_allowed = true;
+          for (int t = 20; t < 50; ++t) {
+            LogitEdit a;
+            a.token = t, a.allowed = 1;
+            row.edits.push_back(a);
+          }
+          std::sort(row.edits.begin(), row.edits.end(), [](const LogitEdit& a, const LogitEdit& b) { return a.token < b.token; });
+        }
+        row.penalty_slot = slot_of[r];
+      }
+      // Row 4's counts as edits (what the engine sends without a slot), merged with its bias edit.
+      std::vector<uint32_t> cells4(V);
+      penalty_reset_cells(cells4.data(), V, tokens[4], 40);
+      rows[4].edits = penalty_slot_edits(rows[4], cells4.data(), V);
+      DeviceArray<float> dx(x);
+      const auto got = gpu.sample(Tensor(dx.get(), DType::kF32, {R, V}, Device::kCuda), rows);
+      Tensor hx = Tensor::empty_host(DType::kF32, {R, V});
+      std::copy(x.begin(), x.end(), hx.ptr<float>());
+      const auto want = cpu.sample(hx, rows);
+      for (int r = 0; r < R; ++r) {
+        ASSERT_EQ(got[r].token, want[r].token) << "vocab " << V << " step " << step << " row " << r;
+        tokens[r].push_back(got[r].token);
+      }
+    }
+  }
 }
 
 }  // namespace

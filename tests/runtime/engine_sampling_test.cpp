@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 
 #include <fmt/format.h>
 
@@ -87,6 +88,49 @@ TEST(EngineSampling, PenalisedSeededRequestIsIndependentOfTheBatch) {
   ASSERT_TRUE(c.submit("mine", test_prompt(16, 7), "", s).ok());
   c.wait();
   EXPECT_EQ(c.get("mine").tokens, alone.tokens);
+}
+
+// Penalised requests give the same tokens whether their counts stay in the backend's penalty
+// slots (the default), in edits sent every step (no slots), or some of each (one slot for five
+// penalised requests: the first takes it, the others fall back), with unpenalised requests mixed in;
+// slots are given back when requests end (a second round can take them again).
+TEST(EngineSampling, PenaltySlotsGiveTheSameTokensAsHostCounts) {
+  auto run_all = [](int penalty_slots, bool penalties = true) {
+    EngineOptions o = small_options(2);
+    o.penalty_slots = penalty_slots;
+    auto engine = make_engine(o);
+    std::map<std::string, std::vector<int32_t>> out;
+    for (int round = 0; round < 2; ++round) {
+      Collector c(*engine);
+      for (int i = 0; i < 6; ++i) {
+        SamplingParams s;
+        s.temperature = 0.9f, s.top_p = 0.9f, s.seed = 100 + i, s.max_tokens = 12 + i, s.ignore_eos = true;
+        if (i != 3 && penalties) {
+          s.repetition_penalty = i % 2 ? 2.0f : 1.0f;
+          s.frequency_penalty = i % 3 == 0 ? 1.5f : 0.0f;
+          s.presence_penalty = i == 4 ? -2.0f : 1.5f;
+          if (i == 5) s.logit_bias = {{9, 1.5f}}, s.min_tokens = 4;
+        }
+        const std::string id = fmt::format("r{}-{}", round, i);
+        EXPECT_TRUE(c.submit(id, test_prompt(10 + 3 * i, 20 + i), "", s).ok());
+      }
+      c.wait();
+      for (int i = 0; i < 6; ++i) {
+        const std::string id = fmt::format("r{}-{}", round, i);
+        out[id] = c.get(id).tokens;
+      }
+    }
+    expect_no_leaks(*engine);
+    return out;
+  };
+  const auto host = run_all(0);
+  EXPECT_EQ(run_all(-1), host);
+  EXPECT_EQ(run_all(1), host);
+  // The penalties do change these requests' tokens (else the comparison above could not fail).
+  const auto unpenalised = run_all(-1, false);
+  int changed = 0;
+  for (const auto& [id, toks] : host) changed += toks != unpenalised.at(id);
+  EXPECT_GE(changed, 8);  // of the 10 penalised requests
 }
 
 TEST(EngineSampling, OutOfRangeControlsAreRefused) {

@@ -8,6 +8,7 @@
 #include <numeric>
 #include <random>
 
+#include "backends/cpu/cpu_backend.h"
 #include "backends/cpu/cpu_ops.h"
 #include "runtime/sampler.h"
 
@@ -220,6 +221,86 @@ TEST(SampleRowBuilder, IncrementalPenaltyCountsEqualTheRecountEveryStep) {
       tokens.push_back(std::uniform_int_distribution<int>(0, 63)(g));  // the token "sampled"
     }
   }
+}
+
+// A row with a penalty slot samples with its own edits merged with the slot's cells
+// (penalty_slot_edits): with the cells a reset made and the sampler's counting after each drawn
+// token, those are the recount's edits, edit for edit, at every step, for every mix of penalties,
+// with and without allowed_token_ids.
+TEST(SampleRowBuilder, PenaltySlotRowsEqualTheRecountEveryStep) {
+  std::mt19937 g(33);
+  constexpr int V = 64;
+  for (int combo = 0; combo < 16; ++combo) {
+    SamplingParams p;
+    p.repetition_penalty = (combo & 1) ? 0.7f : 1.0f;
+    p.frequency_penalty = (combo & 2) ? -0.3f : 0.0f;
+    p.presence_penalty = (combo & 4) ? 1.5f : 0.0f;
+    if (combo & 8) p.allowed_token_ids = {1, 5, 9, 40, 63};
+    p.logit_bias = {{5, 1.0f}, {40, -2.0f}, {62, 0.5f}};
+    p.min_tokens = 3;
+    p.stop_token_ids = {7};
+    p.bad_words = {{9}, {3, 12}};
+    std::vector<int32_t> tokens(25);
+    for (auto& t : tokens) t = std::uniform_int_distribution<int>(0, V - 1)(g);
+    const int prompt_len = 20;  // the last 5 were generated before the slot was taken
+    std::vector<uint32_t> cells(V);
+    penalty_reset_cells(cells.data(), V, tokens, prompt_len);
+    for (int step = 0; step < 40; ++step) {
+      const SampleRow want = make_sample_row(p, 3, tokens, prompt_len, {0}, V);
+      const SampleRow row = make_slot_sample_row(p, 3, tokens, prompt_len, {0}, V, /*penalty_slot=*/2);
+      EXPECT_EQ(row.penalty_slot, 2);
+      const std::vector<LogitEdit> got = penalty_slot_edits(row, cells.data(), V);
+      ASSERT_EQ(got.size(), want.edits.size()) << "combo " << combo << " step " << step;
+      for (size_t i = 0; i < got.size(); ++i) {
+        const LogitEdit &x = want.edits[i], &y = got[i];
+        ASSERT_TRUE(x.token == y.token && x.bias == y.bias && x.out_count == y.out_count &&
+                    x.in_context == y.in_context && x.banned == y.banned && x.allowed == y.allowed)
+            << "combo " << combo << " step " << step << " edit " << i << " token " << x.token;
+      }
+      EXPECT_EQ(row.step, want.step);
+      EXPECT_EQ(row.restrict_to_allowed, want.restrict_to_allowed);
+      const int32_t drawn = std::uniform_int_distribution<int>(0, V - 1)(g);
+      tokens.push_back(drawn);
+      cells[drawn] = penalty_count(cells[drawn], /*generated=*/true);
+    }
+  }
+}
+
+// The CPU backend's slots: a penalised row drawn from slot 1 gives the recount row's token, and
+// the backend counts each drawn token itself, over a run of steps (other slots untouched).
+TEST(SampleRowBuilder, CpuBackendPenaltySlotsSampleAsTheRecount) {
+  constexpr int V = 300;
+  CpuBackend backend;
+  backend.reserve_penalty_slots(3, V);
+  ASSERT_EQ(backend.penalty_slots(), 3);
+  SamplingParams p;
+  p.temperature = 0.9f, p.top_p = 0.95f, p.repetition_penalty = 1.4f, p.frequency_penalty = 0.5f;
+  p.presence_penalty = 0.25f, p.logit_bias = {{11, 3.0f}};
+  std::mt19937 g(5);
+  std::vector<int32_t> tokens(40);
+  for (auto& t : tokens) t = std::uniform_int_distribution<int>(0, 59)(g);  // a narrow prompt: many repeats
+  const int prompt_len = 40;
+  backend.penalty_reset(1, tokens, prompt_len);
+  Tensor logits = Tensor::empty_host(DType::kF32, {1, V});
+  std::vector<float> raw(V);
+  for (int step = 0; step < 30; ++step) {
+    std::normal_distribution<float> n(0.0f, 2.0f);
+    for (int t = 0; t < V; ++t) raw[t] = n(g) + (t < 60 ? 3.0f : 0.0f);  // the prompt's tokens are likely
+    std::copy(raw.begin(), raw.end(), logits.ptr<float>());
+    const SampleRow want = make_sample_row(p, 77, tokens, prompt_len, {}, V);
+    const int32_t ref = cpu::sample(raw.data(), V, V, {want})[0].token;
+    const SampleRow row = make_slot_sample_row(p, 77, tokens, prompt_len, {}, V, 1);
+    const int32_t got = backend.sample(logits, {row})[0].token;
+    ASSERT_EQ(got, ref) << "step " << step;
+    tokens.push_back(got);
+  }
+  // Slot 0 was never used: a reset of slot 0 to nothing keeps it empty, so a row on it samples as
+  // a row without penalty counts.
+  backend.penalty_reset(0, {}, 0);
+  const SampleRow plain = make_sample_row(SamplingParams{}, 1, tokens, prompt_len, {}, V);
+  SampleRow on_slot0 = plain;
+  on_slot0.penalty_slot = 0;
+  EXPECT_EQ(backend.sample(logits, {on_slot0})[0].token, cpu::sample(raw.data(), V, V, {plain})[0].token);
 }
 
 TEST(SampleRowBuilder, AllowedTokensRestrictTheChoice) {

@@ -327,7 +327,40 @@ void CpuBackend::mla_attention_absorbed(const Tensor& q, const Tensor& latent, c
 
 std::vector<SampleOutput> CpuBackend::sample(const Tensor& logits, const std::vector<SampleRow>& rows) {
   MOELORA_CHECK(logits.dtype() == DType::kF32 && logits.rows() == static_cast<int64_t>(rows.size()));
-  return cpu::sample(logits.ptr<float>(), logits.ld(), static_cast<int>(logits.cols()), rows);
+  const int V = static_cast<int>(logits.cols());
+  bool slots = false;
+  for (const SampleRow& r : rows) slots = slots || r.penalty_slot >= 0;
+  if (!slots) return cpu::sample(logits.ptr<float>(), logits.ld(), V, rows);
+  // Rows with a penalty slot sample with their slot's counts as edits (the contract's definition),
+  // then count the drawn token into the slot.
+  std::vector<SampleRow> expanded(rows);
+  for (SampleRow& r : expanded) {
+    if (r.penalty_slot < 0) continue;
+    MOELORA_CHECK_MSG(r.penalty_slot < penalty_slots_ && V == penalty_vocab_, "penalty slot {} of {} (vocab {} vs {})",
+                      r.penalty_slot, penalty_slots_, V, penalty_vocab_);
+    r.edits = penalty_slot_edits(r, penalty_cells_.data() + static_cast<size_t>(r.penalty_slot) * V, V);
+  }
+  std::vector<SampleOutput> out = cpu::sample(logits.ptr<float>(), logits.ld(), V, expanded);
+  for (size_t i = 0; i < rows.size(); ++i)
+    if (rows[i].penalty_slot >= 0) {
+      uint32_t& cell = penalty_cells_[static_cast<size_t>(rows[i].penalty_slot) * V + out[i].token];
+      cell = penalty_count(cell, /*generated=*/true);
+    }
+  return out;
+}
+
+void CpuBackend::reserve_penalty_slots(int n, int vocab) {
+  MOELORA_CHECK(n >= 0 && vocab > 0);
+  penalty_slots_ = n;
+  penalty_vocab_ = vocab;
+  penalty_cells_.assign(static_cast<size_t>(n) * vocab, 0u);
+}
+
+void CpuBackend::penalty_reset(int slot, const std::vector<int32_t>& tokens, int prompt_len) {
+  MOELORA_CHECK_MSG(slot >= 0 && slot < penalty_slots_, "penalty slot {} of {}", slot, penalty_slots_);
+  for (int32_t t : tokens) MOELORA_CHECK_MSG(t >= 0 && t < penalty_vocab_, "token {} outside the vocabulary", t);
+  penalty_reset_cells(penalty_cells_.data() + static_cast<size_t>(slot) * penalty_vocab_, penalty_vocab_, tokens,
+                      prompt_len);
 }
 
 Tensor CpuBackend::to_host_f32(const Tensor& t) {

@@ -66,8 +66,14 @@ class CpuBackend final : public Backend {
                               float scale, Tensor out) override;
   Tensor to_host_f32(const Tensor& t) override;
   std::vector<SampleOutput> sample(const Tensor& logits, const std::vector<SampleRow>& rows) override;
+  void reserve_penalty_slots(int n, int vocab) override;
+  int penalty_slots() const override { return penalty_slots_; }
+  void penalty_reset(int slot, const std::vector<int32_t>& tokens, int prompt_len) override;
 
  private:
+  // Penalty slots (ops/sampling.h): penalty_slots_ x penalty_vocab_ cells.
+  int penalty_slots_ = 0, penalty_vocab_ = 0;
+  std::vector<uint32_t> penalty_cells_;
   // bf16 emulation: rounds `t` if it lies in an activation buffer.
   void round_act(const Tensor& t) const;
   bool bf16_ = false;

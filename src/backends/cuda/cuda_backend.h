@@ -115,6 +115,9 @@ class CudaBackend final : public Backend {
   Tensor to_host_f32(const Tensor& t) override;
   std::vector<SampleOutput> sample(const Tensor& logits, const std::vector<SampleRow>& rows) override;
   void reserve_sampling(int rows, int vocab) override;
+  void reserve_penalty_slots(int n, int vocab) override;
+  int penalty_slots() const override;
+  void penalty_reset(int slot, const std::vector<int32_t>& tokens, int prompt_len) override;
   size_t scratch_peak_bytes() const override { return arena_peak_; }
   void fit_scratch(size_t bytes) override;
   bool device_memory(size_t* free, size_t* total) override;
@@ -208,6 +211,7 @@ class CudaBackend final : public Backend {
   cudaEvent_t timer_begin_ = nullptr, timer_end_ = nullptr;
   double wait_s_ = 0;  // time blocked in sync_main() since take_device_wait_seconds()
   void sync_main();    // waits for the main stream, adding the wait to wait_s_
+  void apply_penalty_resets();  // the penalty resets queued since the last sample() (cuda_sampler.cu)
   int pad_page_ = -1, page_size_ = 0;
   bool lora_active_ = false;     // a token of this (graph) step uses an adapter
   int lora_rank_ceiling_ = 0;    // power of two >= every rank ever placed in a slot

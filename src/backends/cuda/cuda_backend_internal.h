@@ -76,8 +76,17 @@ struct CudaBackend::Sampler {
   size_t processed_bytes = 0;
   std::array<int, 5> max_active_clusters{};  // of the sampling kernel, asked once (cuda_plan input)
   bool clusters_known = false;
+  // Penalty slots (ops/sampling.h): [slots, vocab] cells on the device. penalty_reset only queues
+  // its slot and tokens here; the next sample() applies every queued reset in one upload (its
+  // pinned staging is then free again once sample() has waited for the stream).
+  uint32_t* penalty_cells = nullptr;
+  int penalty_slots = 0, penalty_vocab = 0;
+  std::vector<int> reset_slots;
+  std::vector<int32_t> reset_tokens, reset_slot_gen;  // token, (slot << 1) | generated
+  StagedBuffer reset;
   ~Sampler() {
     if (processed) cudaFree(processed);
+    if (penalty_cells) cudaFree(penalty_cells);
   }
   float* processed_rows(size_t bytes) {
     if (bytes > processed_bytes) {

@@ -2,6 +2,7 @@
 // with one copy, runs the kernels of kernels/sampling.cuh on the main stream after the step, and
 // reads back only the results (token, logprob, top logprobs) through pinned memory. Buffers grow
 // to the largest batch seen and are then reused: a steady decode allocates nothing.
+#include <algorithm>
 #include <cstring>
 
 #include "backends/cuda/cuda_backend.h"
@@ -22,6 +23,63 @@ void CudaBackend::reserve_sampling(int rows, int vocab) {
   sampler_->processed_rows(static_cast<size_t>(rows) * vocab * sizeof(float));
 }
 
+void CudaBackend::reserve_penalty_slots(int n, int vocab) {
+  MOELORA_CHECK(n >= 0 && vocab > 0);
+  if (!sampler_) sampler_ = std::make_unique<Sampler>();
+  Sampler& s = *sampler_;
+  if (s.penalty_cells) MOELORA_CUDA_CHECK(cudaFree(s.penalty_cells));
+  s.penalty_cells = nullptr;
+  s.penalty_slots = n, s.penalty_vocab = vocab;
+  s.reset_slots.clear(), s.reset_tokens.clear(), s.reset_slot_gen.clear();
+  if (n == 0) return;
+  const size_t bytes = static_cast<size_t>(n) * vocab * sizeof(uint32_t);
+  MOELORA_CUDA_CHECK(cudaMalloc(&s.penalty_cells, bytes));
+  MOELORA_CUDA_CHECK(cudaMemset(s.penalty_cells, 0, bytes));
+}
+
+int CudaBackend::penalty_slots() const { return sampler_ ? sampler_->penalty_slots : 0; }
+
+void CudaBackend::penalty_reset(int slot, const std::vector<int32_t>& tokens, int prompt_len) {
+  MOELORA_CHECK_MSG(sampler_ && slot >= 0 && slot < sampler_->penalty_slots, "penalty slot {} of {}", slot,
+                    penalty_slots());
+  Sampler& s = *sampler_;
+  for (int32_t t : tokens) MOELORA_CHECK_MSG(t >= 0 && t < s.penalty_vocab, "token {} outside the vocabulary", t);
+  // A slot reset twice before the next sample() keeps only its last reset.
+  if (std::find(s.reset_slots.begin(), s.reset_slots.end(), slot) != s.reset_slots.end()) {
+    size_t w = 0;
+    for (size_t i = 0; i < s.reset_tokens.size(); ++i)
+      if ((s.reset_slot_gen[i] >> 1) != slot) s.reset_tokens[w] = s.reset_tokens[i], s.reset_slot_gen[w++] = s.reset_slot_gen[i];
+    s.reset_tokens.resize(w), s.reset_slot_gen.resize(w);
+  } else {
+    s.reset_slots.push_back(slot);
+  }
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    s.reset_tokens.push_back(tokens[i]);
+    s.reset_slot_gen.push_back((slot << 1) | (static_cast<int>(i) >= prompt_len ? 1 : 0));
+  }
+}
+
+// The queued penalty resets, in stream order before this sample()'s kernels.
+void CudaBackend::apply_penalty_resets() {
+  Sampler& s = *sampler_;
+  if (s.reset_slots.empty()) return;
+  const size_t V = static_cast<size_t>(s.penalty_vocab);
+  for (int slot : s.reset_slots)
+    MOELORA_CUDA_CHECK(cudaMemsetAsync(s.penalty_cells + slot * V, 0, V * sizeof(uint32_t), main_));
+  const size_t n = s.reset_tokens.size(), half = align16(n * sizeof(int32_t));
+  if (n > 0) {
+    s.reset.reserve(2 * half);
+    char* h = static_cast<char*>(s.reset.host);
+    std::memcpy(h, s.reset_tokens.data(), n * sizeof(int32_t));
+    std::memcpy(h + half, s.reset_slot_gen.data(), n * sizeof(int32_t));
+    char* d = static_cast<char*>(s.reset.dev);
+    MOELORA_CUDA_CHECK(cudaMemcpyAsync(d, h, 2 * half, cudaMemcpyHostToDevice, main_));
+    cuda::launch_penalty_scatter(s.penalty_cells, s.penalty_vocab, reinterpret_cast<const int32_t*>(d),
+                                 reinterpret_cast<const int32_t*>(d + half), static_cast<int>(n), main_);
+  }
+  s.reset_slots.clear(), s.reset_tokens.clear(), s.reset_slot_gen.clear();
+}
+
 std::vector<SampleOutput> CudaBackend::sample(const Tensor& logits, const std::vector<SampleRow>& rows) {
   const int R = static_cast<int>(rows.size());
   MOELORA_CHECK(logits.device() == Device::kCuda && logits.dtype() == DType::kF32 && logits.rows() == R);
@@ -29,6 +87,13 @@ std::vector<SampleOutput> CudaBackend::sample(const Tensor& logits, const std::v
   if (!sampler_) sampler_ = std::make_unique<Sampler>();
   Sampler& s = *sampler_;
   const int V = static_cast<int>(logits.cols());
+  apply_penalty_resets();
+  bool penalised = false;
+  for (const SampleRow& r : rows) {
+    MOELORA_CHECK_MSG(r.penalty_slot < s.penalty_slots && (r.penalty_slot < 0 || V == s.penalty_vocab),
+                      "penalty slot {} of {} (vocab {} vs {})", r.penalty_slot, s.penalty_slots, V, s.penalty_vocab);
+    penalised = penalised || r.penalty_slot >= 0;
+  }
 
   // Layout of the upload: rows | processed-row map | edits | edit rows.
   int num_processed = 0;
@@ -57,6 +122,7 @@ std::vector<SampleOutput> CudaBackend::sample(const Tensor& logits, const std::v
     d.presence = r.presence, d.frequency = r.frequency, d.repetition = r.repetition;
     d.top_k = r.top_k, d.logprobs = r.logprobs, d.seed = r.seed, d.step = r.step;
     d.restrict_to_allowed = r.restrict_to_allowed ? 1 : 0;
+    d.penalty_slot = r.penalty_slot;
     d.processed = -1;
     if (!r.has_processing()) continue;
     d.processed = np;
@@ -82,6 +148,7 @@ std::vector<SampleOutput> CudaBackend::sample(const Tensor& logits, const std::v
     pp.edits = reinterpret_cast<const LogitEdit*>(dbase + off_edits);
     pp.edit_rows = reinterpret_cast<const int32_t*>(dbase + off_erow);
     pp.num_edits = static_cast<int>(num_edits);
+    pp.penalty_cells = s.penalty_cells;
     cuda::launch_process_logits(pp, main_);
   }
   s.out.reserve(R * sizeof(cuda::DeviceSampleResult));
@@ -93,6 +160,7 @@ std::vector<SampleOutput> CudaBackend::sample(const Tensor& logits, const std::v
   if (!s.clusters_known) s.max_active_clusters = cuda::sample_max_active_clusters(), s.clusters_known = true;
   sp.cluster = cuda_plan::choose_sample_cluster(R, s.max_active_clusters);
   cuda::launch_sample(sp, main_);
+  if (penalised) cuda::launch_penalty_commit(sp.params, sp.out, R, s.penalty_cells, V, main_);
   MOELORA_CUDA_CHECK(cudaMemcpyAsync(s.out.host, s.out.dev, R * sizeof(cuda::DeviceSampleResult),
                                      cudaMemcpyDeviceToHost, main_));
   sync_main();

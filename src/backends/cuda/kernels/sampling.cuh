@@ -27,6 +27,7 @@ struct DeviceSampleRow {
   uint64_t seed, step;
   int32_t processed;  // row index into `processed` or -1 (sample from the raw row)
   int32_t restrict_to_allowed;
+  int32_t penalty_slot = -1;  // the row's penalty slot (ops/sampling.h) or -1
 };
 
 // One row's result as the kernels write it.
@@ -48,8 +49,21 @@ struct ProcessParams {
   const LogitEdit* edits = nullptr;  // [num_edits]
   const int32_t* edit_rows = nullptr;  // [num_edits]: raw row of each edit
   int num_edits = 0;
+  // Penalty slots [slots, vocab] (rows with penalty_slot >= 0): a processed row applies its slot's
+  // cells to every token they give an edit, and the row's own edits are merged with them.
+  const uint32_t* penalty_cells = nullptr;
 };
 void launch_process_logits(const ProcessParams& p, cudaStream_t stream);
+
+// After launch_sample: each row with a penalty slot counts its drawn token there
+// (penalty_count(cell, true)). `cells` [slots, vocab].
+void launch_penalty_commit(const DeviceSampleRow* rows, const DeviceSampleResult* out, int num_rows,
+                           uint32_t* cells, int vocab, cudaStream_t stream);
+// Backend::penalty_reset of several slots at once: the caller zeroes each slot first; then token i
+// (tokens[i], in slot slot_gen[i] >> 1, generated when slot_gen[i] & 1) is counted. Counts are sums
+// of integers: the order of the threads does not matter.
+void launch_penalty_scatter(uint32_t* cells, int vocab, const int32_t* tokens, const int32_t* slot_gen, int n,
+                            cudaStream_t stream);
 
 struct SampleParams {
   const float* logits = nullptr;  // raw [rows, ld]
