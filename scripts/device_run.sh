@@ -17,6 +17,9 @@
 #   split    the wgmma MoE op-suite cases and `dev_moe_bench split` (e4m3 x e4m3 wgmmas: W8A16 with
 #            split-form activations, W8A8) against the CPU and the other kernels, timed
 #   moeops   the MoE op-suite cases only (every kernel of the MoE layer vs the CPU reference)
+#   unrun    first run of what the 2026-12-05 tenth session wrote without a GPU: the op cases of the
+#            down LoRA expand in moe_reduce, NVFP4 on the wgmma GEMM and the penalty slots, then
+#            `dev_moe_bench lora` and `nvfp4` (both forms checked bit for bit / vs the CPU, timed)
 #   lora     `dev_moe_bench lora`: the LoRA expands inside the base kernels (gate_up in the GEMM's
 #            epilogue, down in moe_reduce) vs their own kernels, bit for bit, then timed with 1 and 8
 #            adapters (run `moeops lora` for the op cases too)
@@ -204,6 +207,15 @@ for stage in $stages; do
     echo "== MoE workbench (LoRA)"
     timeout 200 ./.device/dev_moe_bench lora > $out/moe_bench_lora.log 2>&1; echo "exit $?"
     grep -v "ok$" $out/moe_bench_lora.log ;;
+  unrun)
+    echo "== op suite: the code written without a GPU (down LoRA in moe_reduce, NVFP4 wgmma, penalty slots)"
+    run_sharded 'Moe*LORA*:Moe*nvfp4*:MoeSanitize*:SamplePenaltySlots*:Sample/*edits*' op_suite_unrun 240
+    echo "== MoE workbench (LoRA)"
+    timeout 200 ./.device/dev_moe_bench lora > $out/moe_bench_lora.log 2>&1; echo "exit $?"
+    grep -v "ok$" $out/moe_bench_lora.log
+    echo "== MoE workbench (NVFP4)"
+    timeout 300 ./.device/dev_moe_bench nvfp4 > $out/nvfp4_moe_bench.log 2>&1; echo "exit $?"
+    grep -v "^check.* ok$" $out/nvfp4_moe_bench.log ;;
   moeops)
     echo "== op suite, MoE cases (3 shards: 200 cases in 128 s on 2026-12-05)"
     run_sharded 'Moe*' op_suite_moe 240 ;;

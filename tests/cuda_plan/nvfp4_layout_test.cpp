@@ -111,26 +111,40 @@ TEST(Nvfp4Layout, ScaleTilesAreABijection) {
   EXPECT_TRUE(nvfp4_layout_ok(32, 128));
 }
 
+// A random NVFP4 matrix (finite, non-negative scales, as loaders take), its dequantisation by the
+// spec, and its codes and scales packed for the kernels.
+struct PackedMatrix {
+  int rows, cols;
+  float global;
+  std::vector<uint8_t> codes, scales, pc, ps;
+  std::vector<float> spec;
+  PackedMatrix(int rows_, int cols_, unsigned seed, float global_) : rows(rows_), cols(cols_), global(global_) {
+    std::mt19937 rng(seed);
+    codes.resize(static_cast<size_t>(rows) * cols / 2);
+    scales.resize(static_cast<size_t>(rows) * (cols / kNvfp4Group));
+    for (auto& b : codes) b = static_cast<uint8_t>(rng());
+    for (auto& s : scales) {
+      do s = static_cast<uint8_t>(rng() & 0x7f);
+      while (is_nan_e4m3(s));
+    }
+    spec.resize(static_cast<size_t>(rows) * cols);
+    dequantize_nvfp4(codes.data(), rows, cols, scales.data(), global, spec.data());
+    pc.resize(codes.size());
+    ps.resize(scales.size());
+    nvfp4_pack_codes(codes.data(), rows, cols, pc.data());
+    nvfp4_pack_scales(scales.data(), rows, cols, ps.data());
+  }
+};
+
 // A whole matrix, read back element by element the way the kernel addresses it (row r, 64-wide
 // chunk c, lane group c4: bytes of group 4c + c4, word w, register j, half), times the global
 // scale the epilogue applies: equal to dequantize_nvfp4 bit for bit.
 TEST(Nvfp4Layout, PackedMatrixMatchesTheSpec) {
-  const int rows = 32, cols = 256, groups = cols / kNvfp4Group;
-  std::mt19937 rng(11);
-  std::vector<uint8_t> codes(static_cast<size_t>(rows) * cols / 2), scales(static_cast<size_t>(rows) * groups);
-  for (auto& b : codes) b = static_cast<uint8_t>(rng());
-  for (auto& s : scales) {
-    do s = static_cast<uint8_t>(rng() & 0x7f);  // loaders take finite, non-negative scales
-    while (is_nan_e4m3(s));
-  }
-  const float global = 3.0517578e-05f * 1.37f;
-  std::vector<float> spec(static_cast<size_t>(rows) * cols);
-  dequantize_nvfp4(codes.data(), rows, cols, scales.data(), global, spec.data());
-
-  std::vector<uint8_t> pc(codes.size()), ps(scales.size());
-  nvfp4_pack_codes(codes.data(), rows, cols, pc.data());
-  nvfp4_pack_scales(scales.data(), rows, cols, ps.data());
-  const float epilogue = global * kNvfp4GlobalFactor;
+  const PackedMatrix m(32, 256, 11, 3.0517578e-05f * 1.37f);
+  const int rows = m.rows, cols = m.cols;
+  const std::vector<uint8_t>&pc = m.pc, &ps = m.ps;
+  const std::vector<float>& spec = m.spec;
+  const float epilogue = m.global * kNvfp4GlobalFactor;
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < cols / kNvfp4ChunkCols; ++c)
       for (int c4 = 0; c4 < 4; ++c4) {
@@ -156,21 +170,11 @@ TEST(Nvfp4Layout, PackedMatrixMatchesTheSpec) {
 // one group per k16 step s, lane c4's registers = register c4 of the group's two words, which an
 // m64nNk16 wgmma takes as k 2 c4 + half (word 0) and 8 + 2 c4 + half (word 1) of the step.
 TEST(Nvfp4Layout, WgmmaStageReadsMatchTheSpec) {
-  const int rows = 48, cols = 384, groups = cols / kNvfp4Group;
-  std::mt19937 rng(23);
-  std::vector<uint8_t> codes(static_cast<size_t>(rows) * cols / 2), scales(static_cast<size_t>(rows) * groups);
-  for (auto& b : codes) b = static_cast<uint8_t>(rng());
-  for (auto& s : scales) {
-    do s = static_cast<uint8_t>(rng() & 0x7f);
-    while (is_nan_e4m3(s));
-  }
-  const float global = 0.0123f;
-  std::vector<float> spec(static_cast<size_t>(rows) * cols);
-  dequantize_nvfp4(codes.data(), rows, cols, scales.data(), global, spec.data());
-  std::vector<uint8_t> pc(codes.size()), ps(scales.size());
-  nvfp4_pack_codes(codes.data(), rows, cols, pc.data());
-  nvfp4_pack_scales(scales.data(), rows, cols, ps.data());
-  const float epilogue = global * kNvfp4GlobalFactor;
+  const PackedMatrix m(48, 384, 23, 0.0123f);
+  const int rows = m.rows, cols = m.cols;
+  const std::vector<uint8_t>&pc = m.pc, &ps = m.ps;
+  const std::vector<float>& spec = m.spec;
+  const float epilogue = m.global * kNvfp4GlobalFactor;
   for (int c = 0; c < cols / 128; ++c) {
     // The scale box of chunk c: 128 bytes per row tile, bytes [tile * cols + 128 c, + 128).
     std::vector<uint8_t> box(static_cast<size_t>(rows / 16) * 128);
