@@ -106,7 +106,7 @@ struct Engine::Impl {
   std::unique_ptr<AdapterRegistry> registry;
   std::unique_ptr<Scheduler> scheduler;
   // Free penalty slots of the backend (engine thread only; sequences give theirs back on exit).
-  std::shared_ptr<PenaltySlotLease::Pool> penalty_free = std::make_shared<PenaltySlotLease::Pool>();
+  std::shared_ptr<PenaltySlotPool> penalty_slots = std::make_shared<PenaltySlotPool>();
 
   mutable std::mutex mu;
   std::condition_variable cv;
@@ -236,10 +236,9 @@ struct Engine::Impl {
           // A penalised sequence takes a free penalty slot at its first sample (its whole context
           // counted once, on the device); after that the sampler counts each drawn token there, so
           // the slot counts exactly s->tokens (every drawn token is appended below).
-          if (s->penalty_slot.slot() < 0 && !penalty_free->empty() && wants_penalty_counts(sp)) {
-            s->penalty_slot = PenaltySlotLease(penalty_free, penalty_free->back());
-            penalty_free->pop_back();
-            backend->penalty_reset(s->penalty_slot.slot(), s->tokens, s->prompt_len);
+          if (s->penalty_slot.slot() < 0 && wants_penalty_counts(sp)) {
+            s->penalty_slot = PenaltySlotLease::take(penalty_slots);
+            if (s->penalty_slot.slot() >= 0) backend->penalty_reset(s->penalty_slot.slot(), s->tokens, s->prompt_len);
           }
           if (s->penalty_slot.slot() >= 0) {
             rows.push_back(make_slot_sample_row(sp, s->seed, s->tokens, s->prompt_len, cfg.eos_token_ids,
@@ -346,7 +345,7 @@ Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Backend> backend,
   // Penalty slots before the KV cache is sized, so their memory is not the cache's.
   const int want_penalty_slots = opts.penalty_slots < 0 ? std::min(opts.max_num_seqs, 256) : opts.penalty_slots;
   backend->reserve_penalty_slots(want_penalty_slots, cfg.vocab_size);
-  for (int i = backend->penalty_slots() - 1; i >= 0; --i) impl->penalty_free->push_back(i);
+  for (int i = backend->penalty_slots() - 1; i >= 0; --i) impl->penalty_slots->free.push_back(i);
   if (backend->penalty_slots() > 0)
     MOELORA_LOG_INFO("engine: {} penalty slots ({:.1f} MiB): penalised requests keep their token counts on the {} backend",
                      backend->penalty_slots(), static_cast<double>(backend->penalty_slots()) * cfg.vocab_size * 4 / (1 << 20),
@@ -561,6 +560,8 @@ EngineStats Engine::stats() const {
   s.lora_slots_total = m.slots->num_slots();
   s.lora_slots_used = m.slots->used_slots();
   s.lora_slots_loading = m.slots->loading_slots();
+  s.penalty_slots_total = m.backend->penalty_slots();
+  s.penalty_slots_used = m.penalty_slots->used.load();
   std::set<std::string> run, wait;
   for (const auto& q : m.scheduler->running())
     if (!q->req.adapter.empty()) run.insert(q->req.adapter);

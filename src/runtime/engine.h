@@ -115,6 +115,8 @@ struct EngineStats {
   int lora_slots_total = 0;
   int lora_slots_used = 0;
   int lora_slots_loading = 0;     // slots whose adapter is being copied in (off the engine thread)
+  int penalty_slots_total = 0;    // backend penalty slots (EngineOptions::penalty_slots)
+  int penalty_slots_used = 0;     // held by running penalised requests (0 when idle: no leak)
   std::vector<std::string> running_adapters;
   std::vector<std::string> waiting_adapters;
   uint64_t prompt_tokens_total = 0;

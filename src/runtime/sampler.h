@@ -3,6 +3,7 @@
 // Tokens depend only on the request (its seed, its own tokens, its step), never on the batch.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -58,13 +59,28 @@ bool wants_penalty_counts(const SamplingParams& p);
 SampleRow make_slot_sample_row(const SamplingParams& p, uint64_t seed, const std::vector<int32_t>& tokens,
                                int prompt_len, const std::vector<int>& eos_ids, int vocab, int penalty_slot);
 
+// The free penalty slots of a backend (touched by the engine thread only) and how many are held
+// (read by stats() from any thread).
+struct PenaltySlotPool {
+  std::vector<int> free;
+  std::atomic<int> used{0};
+};
+
 // A backend penalty slot held by one sequence, given back to its pool when the sequence ends,
 // however it ends (finished, cancelled, failed, engine stopping). Engine thread only.
 class PenaltySlotLease {
  public:
-  using Pool = std::vector<int>;  // free slots
   PenaltySlotLease() = default;
-  PenaltySlotLease(std::shared_ptr<Pool> pool, int slot) : pool_(std::move(pool)), slot_(slot) {}
+  // A free slot of `pool`, or an empty lease (slot() < 0) when none is free.
+  static PenaltySlotLease take(const std::shared_ptr<PenaltySlotPool>& pool) {
+    PenaltySlotLease l;
+    if (!pool || pool->free.empty()) return l;
+    l.pool_ = pool;
+    l.slot_ = pool->free.back();
+    pool->free.pop_back();
+    pool->used.fetch_add(1);
+    return l;
+  }
   PenaltySlotLease(PenaltySlotLease&& o) noexcept : pool_(std::move(o.pool_)), slot_(o.slot_) { o.slot_ = -1; }
   PenaltySlotLease& operator=(PenaltySlotLease&& o) noexcept {
     if (this != &o) {
@@ -82,10 +98,13 @@ class PenaltySlotLease {
 
  private:
   void release() {
-    if (pool_ && slot_ >= 0) pool_->push_back(slot_);
+    if (pool_ && slot_ >= 0) {
+      pool_->free.push_back(slot_);
+      pool_->used.fetch_sub(1);
+    }
     slot_ = -1;
   }
-  std::shared_ptr<Pool> pool_;
+  std::shared_ptr<PenaltySlotPool> pool_;
   int slot_ = -1;
 };
 

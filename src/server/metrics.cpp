@@ -176,6 +176,10 @@ std::string ServerMetrics::render(const EngineStats& st, int loaded_adapters, do
           st.lora_slots_used);
   w.gauge("moelora_lora_slots_loading", "Adapter slots whose adapter is being copied in (off the engine thread).",
           st.lora_slots_loading);
+  w.gauge("moelora_penalty_slots_total", "Penalty slots on the backend (--penalty-slots).", st.penalty_slots_total);
+  w.gauge("moelora_penalty_slots_used",
+          "Penalty slots held by penalised requests (0 when idle: no leak; the rest send their counts as edits).",
+          st.penalty_slots_used);
   w.gauge("moelora_lora_adapters_loaded", "Adapters registered with the server.", loaded_adapters);
   w.counter("moelora_lora_loads_total", "Adapter placements into a slot that completed.", st.lora_loads_total);
   w.counter("moelora_lora_load_failures_total",

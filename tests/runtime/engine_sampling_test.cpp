@@ -133,6 +133,43 @@ TEST(EngineSampling, PenaltySlotsGiveTheSameTokensAsHostCounts) {
   EXPECT_GE(changed, 8);  // of the 10 penalised requests
 }
 
+// Penalised requests keep their slot through preemption (a KV cache too small for all of them:
+// recomputed requests still give the tokens of a roomy engine without slots), give it back when
+// cancelled mid-generation, and the stats say how many are held.
+TEST(EngineSampling, PenaltySlotsSurvivePreemptionAndAreFreedOnCancel) {
+  EngineOptions roomy = small_options(2), tiny = small_options(2);
+  roomy.kv_page_size = tiny.kv_page_size = 4;
+  roomy.penalty_slots = 0;
+  tiny.kv_num_pages = 24;  // one request needs up to 13 pages: requests are preempted and recomputed
+  auto ref = make_engine(roomy);
+  auto engine = make_engine(tiny);
+  EXPECT_EQ(engine->stats().penalty_slots_total, 16);
+  Collector want(*ref), got(*engine);
+  auto params = [](int i) {
+    SamplingParams s;
+    s.temperature = 0.8f, s.seed = 7 + i, s.max_tokens = 36, s.ignore_eos = true;
+    s.repetition_penalty = 1.8f, s.frequency_penalty = i % 2 ? 1.0f : 0.0f, s.presence_penalty = 0.5f;
+    return s;
+  };
+  for (int i = 0; i < 5; ++i) {
+    ASSERT_TRUE(want.submit(fmt::format("r{}", i), test_prompt(12 + i, 60 + i), "", params(i)).ok());
+    ASSERT_TRUE(got.submit(fmt::format("r{}", i), test_prompt(12 + i, 60 + i), "", params(i)).ok());
+  }
+  SamplingParams long_one = params(9);
+  long_one.max_tokens = 60;  // 70 positions: inside the 96 the cache holds
+  ASSERT_TRUE(got.submit("cancelled", test_prompt(10, 99), "", long_one).ok());
+  ASSERT_TRUE(got.wait_for_tokens("cancelled", 3, 30000));
+  EXPECT_GE(engine->stats().penalty_slots_used, 1);
+  engine->cancel("cancelled");
+  want.wait();
+  got.wait();
+  for (int i = 0; i < 5; ++i)
+    EXPECT_EQ(got.get(fmt::format("r{}", i)).tokens, want.get(fmt::format("r{}", i)).tokens) << "request " << i;
+  EXPECT_EQ(got.get("cancelled").final.reason, FinishReason::kCancelled);
+  EXPECT_GT(engine->stats().num_preemptions_total, 0u) << "the cache was meant to be too small for all at once";
+  expect_no_leaks(*engine);
+}
+
 TEST(EngineSampling, OutOfRangeControlsAreRefused) {
   auto engine = make_engine(small_options(2));
   SamplingParams s = greedy(4);

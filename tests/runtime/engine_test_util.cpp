@@ -123,13 +123,16 @@ void expect_no_leaks(Engine& engine) {
   EngineStats s;
   for (int i = 0; i < 200; ++i) {
     s = engine.stats();
-    if (s.num_running == 0 && s.num_waiting == 0 && s.kv_pages_used == 0 && s.lora_slots_used == 0) break;
+    if (s.num_running == 0 && s.num_waiting == 0 && s.kv_pages_used == 0 && s.lora_slots_used == 0 &&
+        s.penalty_slots_used == 0)
+      break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_EQ(s.num_running, 0);
   EXPECT_EQ(s.num_waiting, 0);
   EXPECT_EQ(s.kv_pages_used, 0) << "KV pages leaked";
   EXPECT_EQ(s.lora_slots_used, 0) << "adapter slots leaked";
+  EXPECT_EQ(s.penalty_slots_used, 0) << "penalty slots leaked";
 }
 
 }  // namespace moelora::testing

@@ -18,6 +18,8 @@ EngineStats sample_stats() {
   s.kv_pages_cached = 5;
   s.lora_slots_total = 4;
   s.lora_slots_used = 2;
+  s.penalty_slots_total = 16;
+  s.penalty_slots_used = 3;
   s.running_adapters = {"sql", "chat"};
   s.waiting_adapters = {"legal"};
   s.prompt_tokens_total = 1000;
@@ -58,6 +60,8 @@ TEST(ServerMetrics, VllmNamesAndValues) {
            "vllm:e2e_request_latency_seconds_count{model_name=\"tiny\"} 2",
            "moelora_kv_pages_used{model_name=\"tiny\"} 25",
            "moelora_lora_slots_used{model_name=\"tiny\"} 2",
+           "moelora_penalty_slots_total{model_name=\"tiny\"} 16",
+           "moelora_penalty_slots_used{model_name=\"tiny\"} 3",
            "moelora_lora_adapters_loaded{model_name=\"tiny\"} 3",
        })
     EXPECT_NE(t.find(std::string(line) + "\n"), std::string::npos) << line << "\n---\n" << t;

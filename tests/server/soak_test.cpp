@@ -148,9 +148,11 @@ class ServingSoak : public ::testing::Test {
       } else {
         c.stream = g() % 4 != 0;
         c.drop = g() % 10 == 0;
+        // Every third request penalised: it holds a penalty slot while it runs (some are dropped).
+        const char* penalty = i % 3 == 0 ? R"(, "repetition_penalty": 1.3, "frequency_penalty": 0.5)" : "";
         req = post_json("/v1/completions",
-                        fmt::format(R"({{"model": "{}", "prompt": "soak {} {}", "max_tokens": {}, "stream": {}}})",
-                                    models[g() % 6], seed, i, 2 + g() % 3, c.stream ? "true" : "false"));
+                        fmt::format(R"({{"model": "{}", "prompt": "soak {} {}", "max_tokens": {}, "stream": {}{}}})",
+                                    models[g() % 6], seed, i, 2 + g() % 3, c.stream ? "true" : "false", penalty));
       }
       ASSERT_TRUE(c.conn->send(req)) << i;
       if (c.drop && g() % 2 == 0) c.conn->close();  // gone before any answer
@@ -192,6 +194,7 @@ class ServingSoak : public ::testing::Test {
     EXPECT_EQ(metric_settled(port, "vllm:num_requests_waiting", 0), 0);
     EXPECT_EQ(metric_settled(port, "moelora_kv_pages_used", 0), 0);
     EXPECT_EQ(metric_settled(port, "moelora_lora_slots_used", 0), 0);
+    EXPECT_EQ(metric_settled(port, "moelora_penalty_slots_used", 0), 0);
   }
 
   testutil::TempDir tmp_;
