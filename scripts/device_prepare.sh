@@ -16,4 +16,6 @@ strip --strip-debug "$build/tests/ops/moelora_op_suite" -o "$root/.device/moelor
 # The sampler (dev/sampling.cu) and attention (dev/attention.cu).
 [ -x "$build/dev/dev_sampling" ] && strip --strip-debug "$build/dev/dev_sampling" -o "$root/.device/dev_sampling"
 [ -x "$build/dev/dev_attention" ] && strip --strip-debug "$build/dev/dev_attention" -o "$root/.device/dev_attention"
+# Dense LoRA (dev/lora_dense.cu: the segmented kernel, and `ingemm`, the LoRA inside the GEMM).
+[ -x "$build/dev/dev_lora_dense" ] && strip --strip-debug "$build/dev/dev_lora_dense" -o "$root/.device/dev_lora_dense"
 ls -la "$root/.device" "$root/.device/lib" | awk '{print $5, $9}'

@@ -18,8 +18,9 @@
 #            split-form activations, W8A8) against the CPU and the other kernels, timed
 #   moeops   the MoE op-suite cases only (every kernel of the MoE layer vs the CPU reference)
 #   unrun    first run of what the 2026-12-05 tenth session wrote without a GPU: the op cases of the
-#            down LoRA expand in moe_reduce, NVFP4 on the wgmma GEMM and the penalty slots, then
-#            `dev_moe_bench lora` and `nvfp4` (both forms checked bit for bit / vs the CPU, timed)
+#            down LoRA expand in moe_reduce, NVFP4 on the wgmma GEMM, the penalty slots and the dense
+#            LoRA epilogue, then `dev_lora_dense ingemm`, `dev_moe_bench lora` and `nvfp4` (checked
+#            bit for bit / vs the CPU, timed)
 #   lora     `dev_moe_bench lora`: the LoRA expands inside the base kernels (gate_up in the GEMM's
 #            epilogue, down in moe_reduce) vs their own kernels, bit for bit, then timed with 1 and 8
 #            adapters (run `moeops lora` for the op cases too)
@@ -209,7 +210,10 @@ for stage in $stages; do
     grep -v "ok$" $out/moe_bench_lora.log ;;
   unrun)
     echo "== op suite: the code written without a GPU (down LoRA in moe_reduce, NVFP4 wgmma, penalty slots)"
-    run_sharded 'Moe*LORA*:Moe*nvfp4*:MoeSanitize*:SamplePenaltySlots*:Sample/*edits*' op_suite_unrun 240
+    run_sharded 'Moe*LORA*:Moe*nvfp4*:MoeSanitize*:SamplePenaltySlots*:Sample/*edits*:DenseLoraEpilogue*' op_suite_unrun 240
+    echo "== dense LoRA inside the small-M GEMM vs GEMM + segmented kernel"
+    timeout 120 ./.device/dev_lora_dense ingemm > $out/lora_dense_ingemm.log 2>&1; echo "exit $?"
+    grep -v "^#" $out/lora_dense_ingemm.log
     echo "== MoE workbench (LoRA)"
     timeout 200 ./.device/dev_moe_bench lora > $out/moe_bench_lora.log 2>&1; echo "exit $?"
     grep -v "ok$" $out/moe_bench_lora.log

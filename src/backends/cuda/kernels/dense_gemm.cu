@@ -40,6 +40,7 @@ struct SmallMParams {
   bf16* y;
   float* y_f32;
   int64_t ld_y;
+  DenseLoraEpilogue lora;
 };
 
 // The raw weight bytes of one lane for one 16-row tile and K block (rows r0 and r1, 32 elements
@@ -246,6 +247,7 @@ __global__ void __launch_bounds__(kBlockThreads) dense_small_m_kernel(SmallMPara
     if (tok >= p.M || n >= p.N) continue;
     float s = 0.0f;
     for (int k = 0; k < k_warps; ++k) s += red[((k * RG + rl / 16) * 16 + rl % 16) * kCols + col];
+    if (p.lora.u) s += dense_lora_delta(p.lora, tok, n);
     if (p.y_f32)
       p.y_f32[static_cast<int64_t>(tok) * p.ld_y + n] = s;
     else
@@ -286,6 +288,7 @@ __global__ void dense_naive_kernel(SmallMParams p, WeightType type) {
   }
   acc = warp_sum(acc);
   if (lane == 0) {
+    if (p.lora.u) acc += dense_lora_delta(p.lora, tok, n);
     if (p.y_f32)
       p.y_f32[static_cast<int64_t>(tok) * p.ld_y + n] = acc;
     else
@@ -303,8 +306,11 @@ SmallMParams to_params(const DenseArgs& a) {
                          (reinterpret_cast<uintptr_t>(a.w.w) & 3) == 0 &&
                          (reinterpret_cast<uintptr_t>(a.w.group_scale) & 1) == 0),
                     "dense: NVFP4 weights need group and global scales and whole 16-value groups");
-  return SmallMParams{a.x, a.ld_x, a.M, a.w.w, a.w.out, a.w.in, a.w.scale_inv, ceil_div(a.w.in, kKBlock),
-                      a.w.block_out, a.w.split_rows, a.w.group_scale, a.w.global_scale, a.y, a.y_f32, a.ld_y};
+  MOELORA_CHECK_MSG(!a.lora.u || (a.lora.M == a.M && a.lora.token_slot && a.lora.num_parts >= 1 &&
+                                    a.lora.num_parts <= kDenseLoraMaxParts),
+                    "dense: a LoRA epilogue for {} tokens of {} parts on a {}-token GEMM", a.lora.M, a.lora.num_parts, a.M);
+  return SmallMParams{a.x,           a.ld_x,     a.M,  a.w.w, a.w.out, a.w.in, a.w.scale_inv, ceil_div(a.w.in, kKBlock),
+                      a.w.block_out, a.w.split_rows, a.w.group_scale, a.w.global_scale, a.y, a.y_f32, a.ld_y, a.lora};
 }
 
 bool small_m_supported(const DenseArgs& a) {
@@ -433,7 +439,8 @@ cuda_plan::DenseWeights plan_weights(WeightType t) {
 void dense_linear(DenseGemmContext& ctx, const DenseArgs& a, DenseScratch scratch, cudaStream_t stream) {
   if (a.M == 0 || a.w.out == 0) return;
   const bool fp8 = a.w.type == WeightType::kFP8E4M3;
-  if (cuda_plan::choose_dense_path(a.M, plan_weights(a.w.type)) == cuda_plan::DensePath::kSmallM)
+  // A LoRA epilogue runs in our kernels only.
+  if (a.lora.u || cuda_plan::choose_dense_path(a.M, plan_weights(a.w.type)) == cuda_plan::DensePath::kSmallM)
     return launch_dense_small_m(a, stream);
   if (a.w.type == WeightType::kNvfp4) {
     // Row chunks of the weight as bf16 in scratch, each multiplied by cuBLASLt's bf16 GEMM into its

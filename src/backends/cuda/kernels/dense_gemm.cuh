@@ -25,6 +25,8 @@
 #include <cstdint>
 #include <map>
 
+#include "backends/cuda/kernels/dense_lora_epilogue.cuh"
+
 namespace moelora::cuda {
 
 enum class WeightType : uint8_t { kBF16, kFP8E4M3, kNvfp4 };
@@ -54,6 +56,9 @@ struct DenseArgs {
   __nv_bfloat16* y = nullptr;  // [M, out] bf16, or
   float* y_f32 = nullptr;      // [M, out] f32 (final logits); exactly one of y / y_f32
   int64_t ld_y = 0;
+  // Per-token LoRA added before the output's rounding (lora.u set: its shrink ran before;
+  // dense_lora_epilogue.cuh). The small-M and naive kernels take it; cuBLASLt does not.
+  DenseLoraEpilogue lora;
 };
 
 // The small-M kernel's design range (one grid row of 8 token tiles); it is correct for any M.
