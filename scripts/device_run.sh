@@ -19,8 +19,9 @@
 #   moeops   the MoE op-suite cases only (every kernel of the MoE layer vs the CPU reference)
 #   unrun    first run of what the 2026-12-05 tenth session wrote without a GPU: the op cases of the
 #            down LoRA expand in moe_reduce, NVFP4 on the wgmma GEMM, the penalty slots and the dense
-#            LoRA epilogue, then `dev_lora_dense ingemm`, `dev_moe_bench lora` and `nvfp4` (checked
-#            bit for bit / vs the CPU, timed)
+#            LoRA epilogue, then `dev_lora_dense ingemm`, verify and the decode step with
+#            `--dense-lora-in-gemm`, `dev_moe_bench lora` and `nvfp4` (checked bit for bit / vs the
+#            CPU, timed)
 #   lora     `dev_moe_bench lora`: the LoRA expands inside the base kernels (gate_up in the GEMM's
 #            epilogue, down in moe_reduce) vs their own kernels, bit for bit, then timed with 1 and 8
 #            adapters (run `moeops lora` for the op cases too)
@@ -214,6 +215,17 @@ for stage in $stages; do
     echo "== dense LoRA inside the small-M GEMM vs GEMM + segmented kernel"
     timeout 120 ./.device/dev_lora_dense ingemm > $out/lora_dense_ingemm.log 2>&1; echo "exit $?"
     grep -v "^#" $out/lora_dense_ingemm.log
+    for mode in "" "--no-graphs"; do  # the engine's step with it, end to end on the fixtures
+      log=$out/verify_cuda_dense_lora_in_gemm${mode//-/_}.log
+      echo "== verify cuda --dense-lora-in-gemm $mode"
+      timeout 150 $bin verify --fixtures tests/fixtures --backend cuda --dense-lora-in-gemm $mode > $log 2>&1
+      echo "exit $?"; grep "all cases" $log; tail -1 $log
+    done
+    echo "== decode step with and without it (8 adapters)"
+    for flag in "" "--dense-lora-in-gemm"; do
+      timeout 120 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8 --adapters 0,8 \
+        --rank 16 --iters 10 --json $out/bench_records_unrun.jsonl $flag 2>&1 | grep -v "^\["
+    done
     echo "== MoE workbench (LoRA)"
     timeout 200 ./.device/dev_moe_bench lora > $out/moe_bench_lora.log 2>&1; echo "exit $?"
     grep -v "ok$" $out/moe_bench_lora.log

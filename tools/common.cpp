@@ -65,6 +65,9 @@ void add_cuda_backend_flags(CLI::App* cmd, BackendOptions& o) {
                 "CUDA: FP8 experts quantise activations per token per 128 channels (W8A8) where that measured "
                 "faster (2-24 tokens per expert): MoE layer 6-18 % faster at 64-256 tokens on the H200, "
                 "rows ~2-3 % less exact (docs/numerics.md)");
+  cmd->add_flag("--dense-lora-in-gemm", o.cuda_dense_lora_in_gemm,
+                "CUDA: at decode sizes (up to 8 tokens) the projections' LoRA runs inside their GEMM (a shrink, "
+                "then the GEMM's epilogue) instead of a LoRA kernel after it; not yet measured on a GPU");
 }
 
 }  // namespace moelora::tools

@@ -15,6 +15,7 @@ struct BackendOptions {
   bool cuda_graphs = true;     // CUDA: replay captured decode graphs
   bool cuda_overlap = true;    // CUDA: LoRA work on a side stream
   bool cuda_moe_fp8_activations = false;  // CUDA: FP8 experts may quantise activations (W8A8)
+  bool cuda_dense_lora_in_gemm = false;   // CUDA: dense LoRA inside the small-M GEMM (decode)
 };
 
 Result<std::unique_ptr<Backend>> make_backend(const BackendOptions& opts);

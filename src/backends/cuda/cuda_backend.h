@@ -43,6 +43,10 @@ struct CudaBackendOptions {
   // Absorbed MLA: at most this many tokens per pass of its kernels (0 = cuda_plan's choice). Tests
   // set it low to run several passes at small sizes.
   int mla_max_pass_tokens = 0;
+  // Dense LoRA inside the small-M projection GEMM (CudaBackend::linear_lora_in_gemm) at decode
+  // sizes instead of the GEMM then the segmented LoRA kernel. Off: written without a GPU, to be
+  // turned on by default once measured (`--dense-lora-in-gemm` on verify / bench / serve).
+  bool dense_lora_in_gemm = false;
 };
 
 class CudaBackend final : public Backend {
@@ -165,6 +169,7 @@ class CudaBackend final : public Backend {
   // linear() in two halves: the base GEMM into out, then the LoRA deltas of the projections that
   // read x, all in one launch of the LoRA kernel.
   void base_linear(const Tensor& x, const LinearWeight& w, Tensor out);
+  bool linear_lora_in_gemm(const Tensor& x, const LinearWeight& w, const std::vector<LinearPart>& parts, Tensor out);
   void add_lora(const Tensor& x, const std::vector<LoraOutput>& outs);
   // topk_softmax / topk_sigmoid_grouped record their routing for the moe() that reads the ids
   // (cuda_backend_ops.cu); flush_route launches a recorded routing on its own.

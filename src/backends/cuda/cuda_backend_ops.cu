@@ -13,6 +13,7 @@
 #include "backends/cuda/device_info.h"
 #include "backends/cuda/kernels/attention.cuh"
 #include "backends/cuda/kernels/dense_gemm.cuh"
+#include "backends/cuda/kernels/dense_lora_epilogue.cuh"
 #include "backends/cuda/kernels/elementwise.cuh"
 #include "backends/cuda/kernels/lora_dense.cuh"
 #include "backends/cuda/kernels/mla_attention.cuh"
@@ -118,6 +119,7 @@ void CudaBackend::add_rmsnorm(const Tensor& x, Tensor inout, const Tensor& w, fl
 }
 
 void CudaBackend::linear(const Tensor& x, const LinearWeight& w, const LoraModuleTable* lora, Tensor out) {
+  if (lora != nullptr && linear_lora_in_gemm(x, w, {{0, w.out, lora}}, out)) return;
   base_linear(x, w, out);
   if (lora != nullptr) add_lora(x, {{out, lora}});
 }
@@ -127,6 +129,7 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& w, const LoraModul
 // three (bench/RESULTS.md, dense multi-LoRA).
 void CudaBackend::linear_parts(const Tensor& x, const LinearWeight& w, const std::vector<LinearPart>& parts,
                                Tensor out) {
+  if (linear_lora_in_gemm(x, w, parts, out)) return;
   base_linear(x, w, out);
   std::vector<LoraOutput> outs;
   for (const LinearPart& p : parts) {
@@ -136,6 +139,73 @@ void CudaBackend::linear_parts(const Tensor& x, const LinearWeight& w, const std
   }
   MOELORA_CHECK(static_cast<int>(outs.size()) <= cuda::kLoraMaxProblems);
   if (!outs.empty()) add_lora(x, outs);
+}
+
+// CudaBackendOptions::dense_lora_in_gemm: the parts' LoRA inside the small-M GEMM (a shrink launch,
+// then the GEMM adds u . B in its epilogue; kernels/dense_lora_epilogue.cuh) instead of the GEMM and
+// then the segmented kernel. Decode-sized steps on the small-M path only; false (nothing launched)
+// where it does not apply, and the caller runs the usual two launches.
+bool CudaBackend::linear_lora_in_gemm(const Tensor& x, const LinearWeight& w, const std::vector<LinearPart>& parts,
+                                      Tensor out) {
+  constexpr int kMaxTokens = 8;  // the shrink's CUDA-core MACs grow with the tokens (dense_lora_epilogue.cuh)
+  const int M = static_cast<int>(x.rows());
+  if (!opts_.dense_lora_in_gemm || M == 0 || M > kMaxTokens || out.dtype() != DType::kBF16) return false;
+  const cuda::DenseWeight dw = dense_weight(w);
+  const auto kind = dw.type == cuda::WeightType::kFP8E4M3 ? cuda_plan::DenseWeights::kFp8
+                    : dw.type == cuda::WeightType::kNvfp4  ? cuda_plan::DenseWeights::kNvfp4
+                                                           : cuda_plan::DenseWeights::kBf16;
+  if (cuda_plan::choose_dense_path(M, kind) != cuda_plan::DensePath::kSmallM) return false;
+  if (w.in % 8 != 0 || x.ld() % 8 != 0 || (reinterpret_cast<uintptr_t>(act(x)) & 15) != 0) return false;
+  std::vector<const LinearPart*> with_lora;
+  for (const LinearPart& p : parts)
+    if (p.lora != nullptr) with_lora.push_back(&p);
+  if (with_lora.empty() || static_cast<int>(with_lora.size()) > cuda::kDenseLoraMaxParts) return false;
+  // Active and the u width: from the step's slots (eager), or for any adapter a replay may bring up
+  // to the rank ceiling (capture), as the MoE layer decides.
+  bool any = false;
+  int max_rank = 0;
+  for (const LinearPart* p : with_lora) {
+    if (p->lora->num_slots != with_lora[0]->lora->num_slots) return false;
+    for (int32_t s : batch_.token_slot) any = any || (s >= 0 && s < p->lora->num_slots && p->lora->host_rank[s] > 0);
+    for (int r : p->lora->host_rank) max_rank = std::max(max_rank, r);
+  }
+  if (mode_ == StepMode::kCapture) any = lora_active_, max_rank = lora_rank_ceiling_;
+  if (!any || max_rank > cuda::kDenseLoraMaxRank) return false;
+  max_rank = std::max(max_rank, 1);
+  const size_t mark = scratch_mark();
+  cuda::DenseLoraEpilogue l;
+  l.ldu = max_rank;
+  l.M = M;
+  l.num_parts = static_cast<int>(with_lora.size());
+  l.u = static_cast<float*>(arena_alloc(static_cast<size_t>(l.num_parts) * M * max_rank * sizeof(float)));
+  l.token_slot = meta_->token_slot;
+  l.num_slots = with_lora[0]->lora->num_slots;
+  for (int q = 0; q < l.num_parts; ++q) {
+    const LoraModuleTable& t = *with_lora[q]->lora;
+    MOELORA_CHECK_MSG(t.in == w.in && t.out == with_lora[q]->out, "LoRA [{} -> {}] on part [{}, +{}) of [{} -> {}]", t.in,
+                      t.out, with_lora[q]->begin, with_lora[q]->out, w.in, w.out);
+    l.parts[q] = {with_lora[q]->begin, with_lora[q]->out, t.a_ptrs.ptr<int64_t>(), t.b_ptrs.ptr<int64_t>(),
+                  t.ranks.ptr<int32_t>()};
+  }
+  cuda::DenseLoraShrinkParams sp;
+  sp.x = act(x);
+  sp.ld_x = x.ld();
+  sp.in = w.in;
+  sp.lora = l;
+  sp.max_rank = max_rank;
+  sp.pdl = true;
+  cuda::launch_dense_lora_shrink(sp, main_);
+  cuda::DenseArgs a;
+  a.x = act(x);
+  a.ld_x = x.ld();
+  a.M = M;
+  a.w = dw;
+  a.y = act(out);
+  a.ld_y = out.ld();
+  a.lora = l;
+  cuda::dense_linear(*dense_, a, cuda::DenseScratch{}, main_);
+  scratch_release(mark);
+  return true;
 }
 
 void CudaBackend::base_linear(const Tensor& x, const LinearWeight& w, Tensor out) {

@@ -6,8 +6,9 @@
 //   y[t, n] = x[t] . W[n] + sum_j u_q[t, j] B_{q, s(t)}[n - begin_q, j],  u_q[t, j] = x[t] . A_{q, s(t)}[j]
 // for the part q whose columns hold n. f32 throughout (u is not rounded), one bf16 rounding of y.
 // Written for decode (a few tokens: the shrink costs T x r x K MACs per part on the CUDA cores).
-// Written 2026-12-05 without a GPU: the backend does not use it yet; the op suite checks it and
-// dev/lora_dense.cu times it against the segmented kernel, which decides where it will be used.
+// Written 2026-12-05 without a GPU: the backend uses it only under CudaBackendOptions::
+// dense_lora_in_gemm (`--dense-lora-in-gemm`); the op suite checks it and dev/lora_dense.cu times it
+// against the segmented kernel, which decides where it will be the default.
 //
 // Layouts as the LoRA tables keep them (LoraModuleTable): A_s [r, in] and B_s [out, r] bf16,
 // element pointers per slot; A rows 16-byte aligned with in % 8 == 0 (as lora_dense).
