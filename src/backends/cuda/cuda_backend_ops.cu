@@ -151,10 +151,7 @@ bool CudaBackend::linear_lora_in_gemm(const Tensor& x, const LinearWeight& w, co
   const int M = static_cast<int>(x.rows());
   if (!opts_.dense_lora_in_gemm || M == 0 || M > kMaxTokens || out.dtype() != DType::kBF16) return false;
   const cuda::DenseWeight dw = dense_weight(w);
-  const auto kind = dw.type == cuda::WeightType::kFP8E4M3 ? cuda_plan::DenseWeights::kFp8
-                    : dw.type == cuda::WeightType::kNvfp4  ? cuda_plan::DenseWeights::kNvfp4
-                                                           : cuda_plan::DenseWeights::kBf16;
-  if (cuda_plan::choose_dense_path(M, kind) != cuda_plan::DensePath::kSmallM) return false;
+  if (cuda::dense_path(M, dw.type) != cuda_plan::DensePath::kSmallM) return false;
   if (w.in % 8 != 0 || x.ld() % 8 != 0 || (reinterpret_cast<uintptr_t>(act(x)) & 15) != 0) return false;
   std::vector<const LinearPart*> with_lora;
   for (const LinearPart& p : parts)
@@ -225,11 +222,9 @@ void CudaBackend::base_linear(const Tensor& x, const LinearWeight& w, Tensor out
   // to be carved only above the small-M kernel's design limit, 64 tokens, so from 33 to 64 tokens
   // dense_linear found none and fell back to the small-M kernel, which measured 1.2-1.8x slower
   // there: bench/RESULTS.md, dense projection table, M = 64).
-  const bool fp8_lt = a.w.type == cuda::WeightType::kFP8E4M3 &&
-                      cuda_plan::choose_dense_path(M, cuda_plan::DenseWeights::kFp8) == cuda_plan::DensePath::kCublasLt;
+  const bool fp8_lt = a.w.type == cuda::WeightType::kFP8E4M3 && cuda::dense_path(M, a.w.type) == cuda_plan::DensePath::kCublasLt;
   // NVFP4 beyond the small-M range: the weight dequantised to bf16 for cuBLASLt.
-  const bool nvfp4_lt = a.w.type == cuda::WeightType::kNvfp4 &&
-                        cuda_plan::choose_dense_path(M, cuda_plan::DenseWeights::kNvfp4) == cuda_plan::DensePath::kCublasLt;
+  const bool nvfp4_lt = a.w.type == cuda::WeightType::kNvfp4 && cuda::dense_path(M, a.w.type) == cuda_plan::DensePath::kCublasLt;
   // The scratch is given back once the launches are queued: everything that reuses it runs after
   // them on the same stream (a DeepSeek dense layer would otherwise hold one 64 MiB NVFP4 pass per
   // projection until the layer ends).

@@ -97,6 +97,13 @@ __device__ __forceinline__ uint4 ld_stream_u4_pred(const void* p, bool pred) {
   return pred ? ld_stream_u4(p) : make_uint4(0u, 0u, 0u, 0u);
 }
 
+// A uint4 seen as 8 bf16 -> 8 floats (exact).
+__device__ __forceinline__ void unpack_bf16x8(const uint4& v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) f[2 * i] = bf16_bits_lo(w[i]), f[2 * i + 1] = bf16_bits_hi(w[i]);
+}
+
 // Element i (0..7) of a uint4 seen as 8 bf16.
 __device__ __forceinline__ float u4_bf16(const uint4& v, int i) {
   const uint32_t w = i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w;

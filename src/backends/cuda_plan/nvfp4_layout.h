@@ -69,10 +69,11 @@ constexpr uint32_t prmt_model(uint32_t x, uint32_t y, uint32_t s) {
 // Where register j's selector bits start in a packed word: 0, 2, 16, 18 (a function, not a table,
 // so device code can call it: --expt-relaxed-constexpr).
 constexpr int nvfp4_pair_shift(int j) { return 2 * (j & 1) + 16 * (j >> 1); }
-// The selector of register j of a packed word, as the kernel builds it.
-constexpr uint32_t nvfp4_selector(uint32_t word, int j) {
-  return ((word >> nvfp4_pair_shift(j)) & 0x3333u) | 0x4040u;
-}
+// The selector of the register whose bits start at `shift` (nvfp4_pair_shift) of a packed word, as
+// the kernels build it (a lane that always takes the same register computes the shift once).
+constexpr uint32_t nvfp4_selector_at(uint32_t word, int shift) { return ((word >> shift) & 0x3333u) | 0x4040u; }
+// The selector of register j of a packed word.
+constexpr uint32_t nvfp4_selector(uint32_t word, int j) { return nvfp4_selector_at(word, nvfp4_pair_shift(j)); }
 // The bf16x2 bits of register j of a packed word (values e2m1 * 2^-126), as the kernel's PRMT
 // makes them: the host model tests/cuda_plan checks against the executable spec.
 constexpr uint32_t nvfp4_pair_bits(uint32_t word, int j) {

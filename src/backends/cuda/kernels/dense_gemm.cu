@@ -436,11 +436,13 @@ cuda_plan::DenseWeights plan_weights(WeightType t) {
 }
 }  // namespace
 
+cuda_plan::DensePath dense_path(int M, WeightType t) { return cuda_plan::choose_dense_path(M, plan_weights(t)); }
+
 void dense_linear(DenseGemmContext& ctx, const DenseArgs& a, DenseScratch scratch, cudaStream_t stream) {
   if (a.M == 0 || a.w.out == 0) return;
   const bool fp8 = a.w.type == WeightType::kFP8E4M3;
   // A LoRA epilogue runs in our kernels only.
-  if (a.lora.u || cuda_plan::choose_dense_path(a.M, plan_weights(a.w.type)) == cuda_plan::DensePath::kSmallM)
+  if (a.lora.u || dense_path(a.M, a.w.type) == cuda_plan::DensePath::kSmallM)
     return launch_dense_small_m(a, stream);
   if (a.w.type == WeightType::kNvfp4) {
     // Row chunks of the weight as bf16 in scratch, each multiplied by cuBLASLt's bf16 GEMM into its

@@ -26,6 +26,7 @@
 #include <map>
 
 #include "backends/cuda/kernels/dense_lora_epilogue.cuh"
+#include "backends/cuda_plan/dense_choices.h"
 
 namespace moelora::cuda {
 
@@ -133,5 +134,7 @@ class DenseGemmContext {
 // (FP8: column blocks not a multiple of 4, odd splits) or `scratch` is too small, our kernel does
 // all M. Graph-safe given ctx and scratch made beforehand.
 void dense_linear(DenseGemmContext& ctx, const DenseArgs& a, DenseScratch scratch, cudaStream_t stream);
+// The path dense_linear takes for M tokens of a weight of this type (cuda_plan::choose_dense_path).
+cuda_plan::DensePath dense_path(int M, WeightType t);
 
 }  // namespace moelora::cuda

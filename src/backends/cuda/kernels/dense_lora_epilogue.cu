@@ -14,15 +14,6 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;  // rank rows per item
 constexpr int kInFlight = 4;           // 16-byte loads per lane before the first use
 
-__device__ __forceinline__ void bf16x8(const uint4& v, float (&f)[8]) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
-
 // Item = (part q, token t, block of kWarps rank rows); warp w takes row j = block * kWarps + w.
 __global__ void __launch_bounds__(kThreads) dense_lora_shrink_kernel(const __grid_constant__ DenseLoraShrinkParams p) {
   pdl_wait();
@@ -53,8 +44,8 @@ __global__ void __launch_bounds__(kThreads) dense_lora_shrink_kernel(const __gri
 #pragma unroll
       for (int i = 0; i < kInFlight; ++i) {
         float af[8], xf[8];
-        bf16x8(av[i], af);
-        bf16x8(xv[i], xf);
+        unpack_bf16x8(av[i], af);
+        unpack_bf16x8(xv[i], xf);
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc = fmaf(af[e], xf[e], acc);
       }

@@ -67,22 +67,40 @@ MoeWorkspace layout(void* base, const MoeShape& s, const MoeLoraShape* lora, siz
   return w;
 }
 
-MoeLoraFusedParams fused_params(const MoeForwardArgs& a, const MoeWorkspace& ws, bool gate_up, bool pdl) {
+// What a LoRA half reads and writes: gate_up from x (row p / top_k of pair p) into the [P, 2I]
+// pre-activation delta, down from act (row p) into the [P, H] delta; its factors and u rows.
+struct LoraHalf {
+  const bf16* x;
+  int64_t ldx;
+  int K, x_row_div, N;
+  MoeLoraFactors a, b;
+  bf16* delta;
+  float* u_pair;
+  float* u_tok;  // gate_up only: u of shared-A slots, once per token
+};
+LoraHalf lora_half(const MoeForwardArgs& a, const MoeWorkspace& ws, bool gate_up) {
   const MoeShape& s = a.shape;
+  if (gate_up) return {a.x, a.ldx, s.H, s.k, 2 * s.I, a.lora->gu_a, a.lora->gu_b, ws.delta_gu, ws.u_gu_pair, ws.u_gu_tok};
+  return {ws.act, s.I, s.I, 1, s.H, a.lora->d_a, a.lora->d_b, ws.delta_d, ws.u_d, nullptr};
+}
+
+// One LoRA half as one shrink + expand launch over l_tiles.
+MoeLoraFusedParams fused_params(const MoeForwardArgs& a, const MoeWorkspace& ws, bool gate_up, bool pdl) {
+  const LoraHalf h = lora_half(a, ws, gate_up);
   MoeLoraFusedParams f;
-  f.x = gate_up ? a.x : ws.act;
-  f.ldx = gate_up ? a.ldx : s.I;
-  f.K = gate_up ? s.H : s.I;
-  f.x_row_div = gate_up ? s.k : 1;
+  f.x = h.x;
+  f.ldx = h.ldx;
+  f.K = h.K;
+  f.x_row_div = h.x_row_div;
   f.tiles = ws.l_tiles;
   f.num_tiles = ws.counters + kMoeCntLoraTiles;
   f.max_tiles = ws.max_l_tiles;
   f.sorted_pairs = ws.l_sorted;
-  f.a = gate_up ? a.lora->gu_a : a.lora->d_a;
-  f.b = gate_up ? a.lora->gu_b : a.lora->d_b;
+  f.a = h.a;
+  f.b = h.b;
   f.num_slots = a.lora->num_slots;
-  f.N = gate_up ? 2 * s.I : s.H;
-  f.out = gate_up ? ws.delta_gu : ws.delta_d;
+  f.N = h.N;
+  f.out = h.delta;
   f.pdl = pdl;
   return f;
 }
@@ -90,44 +108,44 @@ MoeLoraFusedParams fused_params(const MoeForwardArgs& a, const MoeWorkspace& ws,
 // One LoRA half's shrink. gate_up: u rows per pair (per-expert A) or per token (shared A) over
 // g_tiles, from x; down: u rows per pair over l_tiles, from act.
 MoeLoraShrinkParams shrink_params(const MoeForwardArgs& a, const MoeWorkspace& ws, bool gate_up, bool pdl) {
-  const MoeShape& s = a.shape;
+  const LoraHalf h = lora_half(a, ws, gate_up);
   MoeLoraShrinkParams sh;
-  sh.x = gate_up ? a.x : ws.act;
-  sh.ldx = gate_up ? a.ldx : s.I;
-  sh.K = gate_up ? s.H : s.I;
-  sh.x_row_div = gate_up ? s.k : 1;
+  sh.x = h.x;
+  sh.ldx = h.ldx;
+  sh.K = h.K;
+  sh.x_row_div = h.x_row_div;
   sh.tiles = gate_up ? ws.g_tiles : ws.l_tiles;
   sh.num_tiles = ws.counters + (gate_up ? kMoeCntLoraGuTiles : kMoeCntLoraTiles);
   sh.max_tiles = gate_up ? ws.max_g_tiles : ws.max_l_tiles;
   sh.sorted_pairs = ws.l_sorted;
   sh.sorted_tokens = gate_up ? ws.t_sorted : nullptr;
-  sh.a = gate_up ? a.lora->gu_a : a.lora->d_a;
+  sh.a = h.a;
   sh.num_slots = a.lora->num_slots;
   sh.max_rank = a.lora->max_rank;
-  sh.u_pair = gate_up ? ws.u_gu_pair : ws.u_d;
-  sh.u_tok = gate_up ? ws.u_gu_tok : nullptr;
+  sh.u_pair = h.u_pair;
+  sh.u_tok = h.u_tok;
   sh.ldu = ws.ldu;
   sh.pdl = pdl;
   return sh;
 }
 
-// One LoRA half's expand over l_tiles into its delta buffer (gate_up [P, 2I], down [P, H]).
+// One LoRA half's expand over l_tiles into its delta buffer.
 MoeLoraExpandParams expand_params(const MoeForwardArgs& a, const MoeWorkspace& ws, bool gate_up, bool pdl) {
-  const MoeShape& s = a.shape;
+  const LoraHalf h = lora_half(a, ws, gate_up);
   MoeLoraExpandParams ex;
-  ex.u_pair = gate_up ? ws.u_gu_pair : ws.u_d;
-  ex.u_tok = gate_up ? ws.u_gu_tok : nullptr;
+  ex.u_pair = h.u_pair;
+  ex.u_tok = h.u_tok;
   ex.ldu = ws.ldu;
-  ex.top_k = s.k;
-  ex.a_stride = gate_up ? a.lora->gu_a.stride : nullptr;
+  ex.top_k = a.shape.k;
+  ex.a_stride = gate_up ? h.a.stride : nullptr;  // a slot with a shared gate_up A reads u_tok
   ex.tiles = ws.l_tiles;
   ex.num_tiles = ws.counters + kMoeCntLoraTiles;
   ex.max_tiles = ws.max_l_tiles;
   ex.sorted_pairs = ws.l_sorted;
-  ex.b = gate_up ? a.lora->gu_b : a.lora->d_b;
+  ex.b = h.b;
   ex.num_slots = a.lora->num_slots;
-  ex.N = gate_up ? 2 * s.I : s.H;
-  ex.out = gate_up ? ws.delta_gu : ws.delta_d;
+  ex.N = h.N;
+  ex.out = h.delta;
   ex.pdl = pdl;
   return ex;
 }
@@ -299,14 +317,15 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
   g.ldxs = H_groups;
   g.lora_delta = lora && !gu_in_gemm ? ws.delta_gu : nullptr;
   if (gu_in_gemm) {
+    const LoraHalf h = lora_half(a, ws, /*gate_up=*/true);
     g.lora_gu.token_slot = a.token_slot;
     g.lora_gu.num_slots = a.lora->num_slots;
     g.lora_gu.top_k = s.k;
-    g.lora_gu.u_pair = ws.u_gu_pair;
-    g.lora_gu.u_tok = ws.u_gu_tok;
+    g.lora_gu.u_pair = h.u_pair;
+    g.lora_gu.u_tok = h.u_tok;
     g.lora_gu.ldu = ws.ldu;
-    g.lora_gu.a_stride = a.lora->gu_a.stride;
-    g.lora_gu.b = a.lora->gu_b;
+    g.lora_gu.a_stride = h.a.stride;
+    g.lora_gu.b = h.b;
   }
   g.act = ws.act;
   g.pdl = pdl && (!two_streams || gu_in_gemm);  // an event wait precedes it when the side stream made the delta
@@ -363,11 +382,12 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
   r.y = ws.y;
   r.lora_delta = lora && !d_in_reduce ? ws.delta_d : nullptr;
   if (d_in_reduce) {
+    const LoraHalf h = lora_half(a, ws, /*gate_up=*/false);
     r.lora_d.token_slot = a.token_slot;
     r.lora_d.num_slots = a.lora->num_slots;
-    r.lora_d.u = ws.u_d;
+    r.lora_d.u = h.u_pair;
     r.lora_d.ldu = ws.ldu;
-    r.lora_d.b = a.lora->d_b;
+    r.lora_d.b = h.b;
   }
   r.ids = a.ids;
   r.weights = a.weights;

@@ -589,8 +589,10 @@ __global__ void __launch_bounds__(kReduceThreads) moe_reduce_kernel(const __grid
       float v[COLS];
       load_cols<COLS>(p.y + pr * p.H + h, v);
       if constexpr (LORA_IN) {
+        const MoeLoraPairB pb = moe_lora_down_b(p.lora_d, pr, p.k, e);  // once per pair, not per column
+        const float* u = p.lora_d.u + pr * p.lora_d.ldu;
 #pragma unroll
-        for (int i = 0; i < COLS; ++i) v[i] += moe_lora_down_delta(p.lora_d, pr, p.k, e, h + i);
+        for (int i = 0; i < COLS; ++i) v[i] += moe_lora_delta(pb, u, h + i);
       } else if (p.lora_delta) {
 #pragma unroll
         for (int i = 0; i < COLS; i += 2) {

@@ -264,12 +264,6 @@ struct WgmmaParams {
   MoeGemmParams g;
 };
 
-// Register j = c (this lane's k 2c, 2c + 1 of a k16 step) of a packed NVFP4 code word, with the
-// selector shift of j precomputed per lane (nvfp4_pair with a runtime j).
-__device__ __forceinline__ uint32_t nvfp4_pair_shifted(uint32_t word, int shift) {
-  return __byte_perm(cuda_plan::kNvfp4LoTable, cuda_plan::kNvfp4HiTable, ((word >> shift) & 0x3333u) | 0x4040u);
-}
-
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory"); }
 
 template <int BN, bool GATE_UP, int MODE>
@@ -455,10 +449,10 @@ __global__ void __maxnreg__(BN == 64 ? 168 : 96) moe_gemm_wgmma_kernel(const __g
             const uint32_t s2 = nvfp4_scales_bf16x2((sg[s >> 2] >> (8 * (s & 3))) & 0xffu, (sg8[s >> 2] >> (8 * (s & 3))) & 0xffu);
             const uint32_t s_g = bf16x2_dup_lo(s2), s_g8 = bf16x2_dup_hi(s2);
             uint32_t afr[4];
-            afr[0] = nvfp4_bf16x2_mul(nvfp4_pair_shifted(h ? q0.z : q0.x, shift4), s_g);   // row g: k 2c, 2c+1
-            afr[2] = nvfp4_bf16x2_mul(nvfp4_pair_shifted(h ? q0.w : q0.y, shift4), s_g);   // row g: k 2c+8, 2c+9
-            afr[1] = nvfp4_bf16x2_mul(nvfp4_pair_shifted(h ? q8.z : q8.x, shift4), s_g8);  // row g + 8
-            afr[3] = nvfp4_bf16x2_mul(nvfp4_pair_shifted(h ? q8.w : q8.y, shift4), s_g8);
+            afr[0] = nvfp4_bf16x2_mul(nvfp4_pair_at(h ? q0.z : q0.x, shift4), s_g);   // row g: k 2c, 2c+1
+            afr[2] = nvfp4_bf16x2_mul(nvfp4_pair_at(h ? q0.w : q0.y, shift4), s_g);   // row g: k 2c+8, 2c+9
+            afr[1] = nvfp4_bf16x2_mul(nvfp4_pair_at(h ? q8.z : q8.x, shift4), s_g8);  // row g + 8
+            afr[3] = nvfp4_bf16x2_mul(nvfp4_pair_at(h ? q8.w : q8.y, shift4), s_g8);
             wgmma_fence();
             Wgmma<BN>::mma(acc, afr, desc_sw128(b_s + (s >> 2) * (BN * 128) + (s & 3) * 32), c > 0 || s > 0);
           }

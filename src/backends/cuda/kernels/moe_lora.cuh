@@ -141,32 +141,46 @@ __device__ __forceinline__ float moe_lora_row_dot(const float* u, const bf16* ro
   return acc;
 }
 
-// The LoRA deltas of pair `pair` (routed to `expert`) for its gate column f and up column I + f,
-// rounded to bf16 as the delta buffer stores them; 0 for tokens without an adapter (slot < 0 or
-// out of range) and for rank-0 slots, as moe_lora_expand writes them.
-__device__ __forceinline__ void moe_lora_gate_up_delta(const MoeLoraGateUp& l, int64_t pair, int expert, int I, int f,
-                                                       float& d_gate, float& d_up) {
-  d_gate = d_up = 0.0f;
-  const int s = l.token_slot[pair / l.top_k];
-  const int r = (s >= 0 && s < l.num_slots) ? min(l.b.rank[s], kMoeLoraMaxRank) : 0;
-  if (r == 0) return;
-  const float* u = l.a_stride[s] == 0 ? l.u_tok + (pair / l.top_k) * l.ldu : l.u_pair + pair * l.ldu;
-  const bf16* B = reinterpret_cast<const bf16*>(l.b.ptr[s]) + expert * l.b.stride[s];
-  const bool vec = r % 8 == 0 && (reinterpret_cast<uintptr_t>(B) & 15) == 0;
-  d_gate = __bfloat162float(__float2bfloat16_rn(moe_lora_row_dot(u, B + static_cast<int64_t>(f) * r, r, vec)));
-  d_up = __bfloat162float(__float2bfloat16_rn(moe_lora_row_dot(u, B + static_cast<int64_t>(I + f) * r, r, vec)));
+// The B factor of a pair whose token sits in slot `s` and is routed to `expert`, and its rank; null
+// (rank 0) for tokens without an adapter (slot < 0 or out of range) and for rank-0 slots, whose
+// deltas moe_lora_expand writes as 0.
+struct MoeLoraPairB {
+  const bf16* B = nullptr;  // [N, r] rows of this (slot, expert)
+  int r = 0;
+  bool vec = false;         // rows of 16 bytes (moe_lora_row_dot)
+};
+__device__ __forceinline__ MoeLoraPairB moe_lora_pair_b(const MoeLoraFactors& b, int num_slots, int s, int expert) {
+  MoeLoraPairB pb;
+  pb.r = (s >= 0 && s < num_slots) ? min(b.rank[s], kMoeLoraMaxRank) : 0;
+  if (pb.r == 0) return pb;
+  pb.B = reinterpret_cast<const bf16*>(b.ptr[s]) + expert * b.stride[s];
+  pb.vec = pb.r % 8 == 0 && (reinterpret_cast<uintptr_t>(pb.B) & 15) == 0;
+  return pb;
+}
+// Row `row` of the pair's delta, rounded to bf16 as the delta buffer stores it (0 without B).
+__device__ __forceinline__ float moe_lora_delta(const MoeLoraPairB& pb, const float* u, int64_t row) {
+  if (pb.r == 0) return 0.0f;
+  return __bfloat162float(__float2bfloat16_rn(moe_lora_row_dot(u, pb.B + row * pb.r, pb.r, pb.vec)));
 }
 
-// The down LoRA delta of pair `pair` (token `pair / top_k`, routed to `expert`) for output column
-// h, rounded to bf16 as the delta buffer stores it; 0 without an adapter or with a rank-0 slot.
-__device__ __forceinline__ float moe_lora_down_delta(const MoeLoraDown& l, int64_t pair, int top_k, int expert, int h) {
-  const int s = l.token_slot[pair / top_k];
-  const int r = (s >= 0 && s < l.num_slots) ? min(l.b.rank[s], kMoeLoraMaxRank) : 0;
-  if (r == 0) return 0.0f;
-  const bf16* B = reinterpret_cast<const bf16*>(l.b.ptr[s]) + expert * l.b.stride[s];
-  const bool vec = r % 8 == 0 && (reinterpret_cast<uintptr_t>(B) & 15) == 0;
-  return __bfloat162float(
-      __float2bfloat16_rn(moe_lora_row_dot(l.u + pair * l.ldu, B + static_cast<int64_t>(h) * r, r, vec)));
+// The LoRA deltas of pair `pair` (routed to `expert`) for its gate column f and up column I + f.
+__device__ __forceinline__ void moe_lora_gate_up_delta(const MoeLoraGateUp& l, int64_t pair, int expert, int I, int f,
+                                                       float& d_gate, float& d_up) {
+  const int s = l.token_slot[pair / l.top_k];
+  const MoeLoraPairB pb = moe_lora_pair_b(l.b, l.num_slots, s, expert);
+  if (pb.r == 0) {
+    d_gate = d_up = 0.0f;
+    return;
+  }
+  const float* u = l.a_stride[s] == 0 ? l.u_tok + (pair / l.top_k) * l.ldu : l.u_pair + pair * l.ldu;
+  d_gate = moe_lora_delta(pb, u, f);
+  d_up = moe_lora_delta(pb, u, I + f);
+}
+
+// The down half of pair `pair` (token `pair / top_k`, routed to `expert`): its B (moe_reduce looks
+// it up once per pair and takes moe_lora_delta of each of its columns with u_d[pair]).
+__device__ __forceinline__ MoeLoraPairB moe_lora_down_b(const MoeLoraDown& l, int64_t pair, int top_k, int expert) {
+  return moe_lora_pair_b(l.b, l.num_slots, l.token_slot[pair / top_k], expert);
 }
 #endif
 

@@ -20,10 +20,14 @@ __device__ __forceinline__ uint32_t nvfp4_bf16x2_mul(uint32_t a, uint32_t b) {
   return r;
 }
 
-// Register j (0..3) of a packed code word: codes 2j, 2j + 1 of the word as bf16 e2m1 * 2^-126
-// (one PRMT through the two tables).
+// The register whose selector bits start at `shift` (cuda_plan::nvfp4_pair_shift(j)) of a packed
+// code word: codes 2j, 2j + 1 of the word as bf16 e2m1 * 2^-126 (one PRMT through the two tables).
+__device__ __forceinline__ uint32_t nvfp4_pair_at(uint32_t word, int shift) {
+  return __byte_perm(cuda_plan::kNvfp4LoTable, cuda_plan::kNvfp4HiTable, cuda_plan::nvfp4_selector_at(word, shift));
+}
+// Register j (0..3) of a packed code word.
 __device__ __forceinline__ uint32_t nvfp4_pair(uint32_t word, int j) {
-  return __byte_perm(cuda_plan::kNvfp4LoTable, cuda_plan::kNvfp4HiTable, cuda_plan::nvfp4_selector(word, j));
+  return nvfp4_pair_at(word, cuda_plan::nvfp4_pair_shift(j));
 }
 
 // Two e4m3 group scales (low, high half) as bf16 e4m3 * 2^100: placed as e4m3 * 2^-120, then
