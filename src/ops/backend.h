@@ -253,6 +253,9 @@ class Backend {
   // each token i. Ordered with sample() as calls on the engine thread are.
   virtual void reserve_penalty_slots(int n, int vocab) {}
   virtual int penalty_slots() const { return 0; }
+  // How many slots to reserve when the operator leaves it to the backend (--penalty-slots -1):
+  // one per running sequence, up to 256 (0.6 MiB each at a 152k vocabulary).
+  virtual int default_penalty_slots(int max_num_seqs) const { return max_num_seqs < 256 ? max_num_seqs : 256; }
   virtual void penalty_reset(int slot, const std::vector<int32_t>& tokens, int prompt_len) {
     MOELORA_CHECK_MSG(false, "the {} backend keeps no penalty slots", name());
   }

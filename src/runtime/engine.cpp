@@ -343,12 +343,8 @@ Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Backend> backend,
   const ModelConfig& cfg = model->config();
   impl->max_len = opts.max_model_len > 0 ? opts.max_model_len : cfg.max_position_embeddings;
   // Penalty slots before the KV cache is sized, so their memory is not the cache's.
-  // The default: every running sequence may hold one (up to 256), except on CUDA, whose device half
-  // (kernels/sampling.cu) was written without a GPU and has not run its op test yet (2026-12-05):
-  // there penalised requests keep sending their counts as edits unless --penalty-slots asks.
-  const bool device_unchecked = backend->device() == Device::kCuda;
   const int want_penalty_slots =
-      opts.penalty_slots >= 0 ? opts.penalty_slots : device_unchecked ? 0 : std::min(opts.max_num_seqs, 256);
+      opts.penalty_slots >= 0 ? opts.penalty_slots : backend->default_penalty_slots(opts.max_num_seqs);
   backend->reserve_penalty_slots(want_penalty_slots, cfg.vocab_size);
   for (int i = backend->penalty_slots() - 1; i >= 0; --i) impl->penalty_slots->free.push_back(i);
   if (backend->penalty_slots() > 0)

@@ -90,8 +90,8 @@ struct EngineOptions {
   int max_waiting = 1024;         // queue bound: submit() answers ResourceExhausted past it
   bool enable_prefix_cache = true;
   // Sequences whose penalties' counts the backend keeps (ops/sampling.h penalty slots: 4 bytes per
-  // vocabulary token each); -1: min(max_num_seqs, 256), but 0 on CUDA until its device half has run
-  // on a GPU (engine.cpp). A penalised request beyond them, or on a backend without slots, sends
+  // vocabulary token each); -1: the backend's default (Backend::default_penalty_slots:
+  // min(max_num_seqs, 256), but 0 on CUDA until its device half has run on a GPU). A penalised request beyond them, or on a backend without slots, sends
   // its counts as edits every step (same tokens, more host work).
   int penalty_slots = -1;
   std::string lora_root;          // when set, adapter paths must resolve inside it

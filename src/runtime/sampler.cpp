@@ -15,8 +15,9 @@ LogitEdit& edit_of(std::map<int32_t, LogitEdit>& edits, int32_t t) {
   return e;
 }
 
-bool wants_context(const SamplingParams& p) { return p.repetition_penalty != 1.0f; }
-bool wants_output(const SamplingParams& p) { return p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f; }
+// Which counts a request's penalties read (the same rule the penalty slots apply: ops/sampling.h).
+bool wants_context(const SamplingParams& p) { return penalty_wants_context(p.repetition_penalty); }
+bool wants_output(const SamplingParams& p) { return penalty_wants_output(p.presence_penalty, p.frequency_penalty); }
 
 // Everything but the penalties' counts: per-step edits (bias, allowed, min_tokens, bad_words).
 SampleRow row_without_counts(const SamplingParams& p, uint64_t seed, const std::vector<int32_t>& tokens,

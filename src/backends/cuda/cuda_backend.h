@@ -121,6 +121,9 @@ class CudaBackend final : public Backend {
   void reserve_sampling(int rows, int vocab) override;
   void reserve_penalty_slots(int n, int vocab) override;
   int penalty_slots() const override;
+  // 0: the device half (kernels/sampling.cu) was written without a GPU and has not run its op test
+  // yet (2026-12-05); penalised requests send their counts as edits unless --penalty-slots asks.
+  int default_penalty_slots(int max_num_seqs) const override { return 0; }
   void penalty_reset(int slot, const std::vector<int32_t>& tokens, int prompt_len) override;
   size_t scratch_peak_bytes() const override { return arena_peak_; }
   void fit_scratch(size_t bytes) override;
