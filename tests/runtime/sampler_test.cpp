@@ -294,13 +294,22 @@ TEST(SampleRowBuilder, CpuBackendPenaltySlotsSampleAsTheRecount) {
     ASSERT_EQ(got, ref) << "step " << step;
     tokens.push_back(got);
   }
-  // Slot 0 was never used: a reset of slot 0 to nothing keeps it empty, so a row on it samples as
-  // a row without penalty counts.
+  // A reset replaces what a slot counted. Greedy logits where an in-context token t0 leads a fresh
+  // token t1 by less than the repetition penalty takes off: slot 0 counting the context gives t1,
+  // the same slot reset to nothing gives t0 (the row without counts).
+  const int32_t t0 = tokens[0];
+  int32_t t1 = V - 1;
+  while (std::find(tokens.begin(), tokens.end(), t1) != tokens.end()) --t1;
+  std::fill(raw.begin(), raw.end(), -10.0f);
+  raw[t0] = 5.0f, raw[t1] = 4.0f;  // 5 / 1.4 < 4
+  std::copy(raw.begin(), raw.end(), logits.ptr<float>());
+  SamplingParams greedy_rep;
+  greedy_rep.temperature = 0.0f, greedy_rep.repetition_penalty = 1.4f;
+  SampleRow on_slot0 = make_slot_sample_row(greedy_rep, 1, tokens, prompt_len, {}, V, /*penalty_slot=*/0);
+  backend.penalty_reset(0, tokens, prompt_len);
+  EXPECT_EQ(backend.sample(logits, {on_slot0})[0].token, t1);
   backend.penalty_reset(0, {}, 0);
-  const SampleRow plain = make_sample_row(SamplingParams{}, 1, tokens, prompt_len, {}, V);
-  SampleRow on_slot0 = plain;
-  on_slot0.penalty_slot = 0;
-  EXPECT_EQ(backend.sample(logits, {on_slot0})[0].token, cpu::sample(raw.data(), V, V, {plain})[0].token);
+  EXPECT_EQ(backend.sample(logits, {on_slot0})[0].token, t0);
 }
 
 TEST(SampleRowBuilder, AllowedTokensRestrictTheChoice) {
