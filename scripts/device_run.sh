@@ -21,7 +21,8 @@
 #            down LoRA expand in moe_reduce, NVFP4 on the wgmma GEMM, the penalty slots and the dense
 #            LoRA epilogue, then `dev_lora_dense ingemm`, verify and the decode step with
 #            `--dense-lora-in-gemm`, `dev_moe_bench lora` and `nvfp4` (checked bit for bit / vs the
-#            CPU, timed)
+#            CPU, timed); from the eleventh session the wgmma prefill attention (op cases, memcheck,
+#            racecheck, dev_attention's prefill rows)
 #   lora     `dev_moe_bench lora`: the LoRA expands inside the base kernels (gate_up in the GEMM's
 #            epilogue, down in moe_reduce) vs their own kernels, bit for bit, then timed with 1 and 8
 #            adapters (run `moeops lora` for the op cases too)
@@ -210,8 +211,15 @@ for stage in $stages; do
     timeout 200 ./.device/dev_moe_bench lora > $out/moe_bench_lora.log 2>&1; echo "exit $?"
     grep -v "ok$" $out/moe_bench_lora.log ;;
   unrun)
-    echo "== op suite: the code written without a GPU (down LoRA in moe_reduce, NVFP4 wgmma, penalty slots)"
-    run_sharded 'Moe*LORA*:Moe*nvfp4*:MoeSanitize*:SamplePenaltySlots*:Sample/*edits*:DenseLoraEpilogue*' op_suite_unrun 240
+    echo "== op suite: the code written without a GPU (down LoRA in moe_reduce, NVFP4 wgmma, penalty slots, wgmma prefill attention)"
+    run_sharded 'Moe*LORA*:Moe*nvfp4*:MoeSanitize*:SamplePenaltySlots*:Sample/*edits*:DenseLoraEpilogue*:*Attn*wgmma*' op_suite_unrun 240
+    echo "== wgmma prefill attention: memcheck and racecheck on its sanitize case, then the workbench's prefill rows"
+    for tool in memcheck racecheck; do
+      timeout 120 compute-sanitizer --tool $tool --error-exitcode 3 ./.device/moelora_op_suite --gtest_filter='SanitizeAttn*wgmma*' \
+        > $out/${tool}_attn_wgmma.log 2>&1; echo "$tool exit $?"; tail -2 $out/${tool}_attn_wgmma.log
+    done
+    timeout 200 ./.device/dev_attention prefill > $out/attention_prefill_wgmma.log 2>&1; echo "exit $?"
+    sed -n '/# prefill/,$p' $out/attention_prefill_wgmma.log
     echo "== dense LoRA inside the small-M GEMM vs GEMM + segmented kernel"
     timeout 120 ./.device/dev_lora_dense ingemm > $out/lora_dense_ingemm.log 2>&1; echo "exit $?"
     grep -v "^#" $out/lora_dense_ingemm.log

@@ -100,4 +100,25 @@ TEST(AttentionChoices, EveryTokenSplitIsNonEmptyAndCoversItsPositions) {
 }
 
 }  // namespace
+
+TEST(AttentionChoices, WgmmaPrefillOnlyWhereItIsBuiltAndMeasured) {
+  // Built exactly for the tensor-core head dims that are multiples of 64 (its 64-wide swizzle columns).
+  int built = 0;
+  for (int k = 8; k <= 256; k += 8)
+    for (int v = 8; v <= 256; v += 8) {
+      const bool b = attention_prefill_wgmma_built(k, v);
+      if (b) ++built;
+      EXPECT_EQ(b, k % 64 == 0 && v % 64 == 0 && choose_attention_kernel(k, v) == AttentionKernel::kTensorCore) << k << "/" << v;
+      // Never chosen where it is not built; chosen where it is only once measured.
+      const AttentionPrefillKernel c = choose_attention_prefill(k, v);
+      EXPECT_EQ(c == AttentionPrefillKernel::kWgmma, b && kAttentionPrefillWgmmaMeasured) << k << "/" << v;
+    }
+  EXPECT_EQ(built, 3);  // 64/64, 128/128 (Qwen3, Mixtral), 192/128 (DeepSeek's decompressed MLA)
+  EXPECT_TRUE(attention_prefill_wgmma_built(128, 128));
+  EXPECT_TRUE(attention_prefill_wgmma_built(192, 128));
+  EXPECT_FALSE(attention_prefill_wgmma_built(48, 32));
+  EXPECT_EQ(attention_prefill_rows(AttentionPrefillKernel::kWgmma), 128);
+  EXPECT_EQ(attention_prefill_rows(AttentionPrefillKernel::kMmaSync), 64);
+}
+
 }  // namespace moelora::cuda_plan

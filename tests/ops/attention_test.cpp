@@ -25,6 +25,7 @@ struct AttnCase {
   int force_mode = 0, num_sms = 132;
   bool graph = false;
   int stages = 0;  // decode pipeline depth forced (0: the plan's)
+  int prefill_kernel = 0;  // AttentionPlanOptions::prefill_kernel (2: the wgmma kernel)
   std::string name() const {
     auto list = [](const std::vector<int>& v) {
       if (v.size() > 4) {  // large batches: count and range, not every length
@@ -39,7 +40,7 @@ struct AttnCase {
            std::to_string(kv_heads) + ",d=" + std::to_string(dk) + "/" + std::to_string(dv) +
            ",ps=" + std::to_string(page_size) + (force_mode == 1 ? ",force-decode" : force_mode == 2 ? ",force-prefill" : "") +
            (num_sms != 132 ? ",sms=" + std::to_string(num_sms) : "") + (graph ? ",graph" : "") +
-           (stages ? ",stages=" + std::to_string(stages) : "") + ")";
+           (stages ? ",stages=" + std::to_string(stages) : "") + (prefill_kernel == 2 ? ",wgmma" : "") + ")";
   }
 };
 
@@ -126,8 +127,13 @@ TEST_P(Attention, MatchesCpu) {
   opt.num_sms = c.num_sms;
   opt.force_mode = c.force_mode;
   opt.decode_stages = c.stages;
+  opt.prefill_kernel = c.prefill_kernel;
   if (c.graph) opt.max_positions = 4096;
   const cuda::AttentionPlan plan = cuda::attention_plan(b.positions.data(), b.token_seq.data(), T, c.heads, c.kv_heads, c.dk, c.dv, opt);
+  // A forced kernel must be the one that runs (else the case would test the other one).
+  if (c.prefill_kernel != 0 && T > 0 && !plan.decode) {
+    ASSERT_EQ(plan.prefill_wgmma, c.prefill_kernel == 2);
+  }
   DeviceArray<uint8_t> meta(std::max<size_t>(cuda::attention_meta_bytes(plan), 4));
   const size_t wsb = cuda::attention_workspace_bytes(plan, T, c.heads, c.dv);
   DeviceArray<uint8_t> ws(std::max<size_t>(wsb, 4));
@@ -214,6 +220,29 @@ std::vector<AttnCase> attn_cases() {
     c.graph = true;
     add(c);
   }
+  // The wgmma prefill kernel (head dims multiples of 64): 128 rows a block, 64-position tiles.
+  // Qwen3 heads from scratch over many tiles (last one partial), after a long cached prefix
+  // (chunked prefill), beside decode tokens, odd page sizes; group 20 (120 of a block's 128 rows,
+  // the second warpgroup part-empty), a group of 4 with 3 tokens (one warp's rows), MHA with 128
+  // tokens a block, DeepSeek's 192/128, 64/64; a graph replay.
+  auto wg = [&](AttnCase c) {
+    c.prefill_kernel = 2;
+    add(c);
+  };
+  wg({{0}, {300}, 32, 4, 128, 128, 16});
+  wg({{0, 40}, {64, 64}, 32, 4, 128, 128, 16});
+  wg({{1000}, {77}, 32, 4, 128, 128, 16});
+  wg({{20, 0, 5}, {30, 9, 1}, 16, 2, 128, 128, 16});
+  wg({{10}, {70}, 20, 1, 64, 64, 7});
+  wg({{33}, {3}, 4, 1, 64, 64, 5});
+  wg({{0}, {130}, 16, 16, 192, 128, 16});
+  wg({{100, 0}, {5, 200}, 8, 8, 192, 128, 16});
+  wg({{129, 63}, {65, 1}, 8, 1, 192, 128, 3});
+  {
+    AttnCase c{{64, 0}, {20, 33}, 32, 4, 128, 128, 16};
+    c.graph = true;
+    wg(c);
+  }
   // Head dims without a tensor-core instance: the generic kernel (attention_generic.cu), decode,
   // prefill after a cached prefix and mixed steps; k != v both ways, k a multiple of 8 but not 16,
   // the 256 limit, odd page sizes, contexts past one 32-position chunk and long ones, a graph.
@@ -241,7 +270,8 @@ std::vector<AttnCase> attn_sanitize_cases() {
   return {{{300, 40}, {1, 1}, 4, 2, 32, 32, 16, 0, 8},  // decode with splits + combine
           {{10, 0}, {9, 5}, 4, 2, 48, 32, 5},             // prefill, odd page size
           {{30}, {1}, 16, 1, 192, 128, 16},
-          {{40, 0}, {1, 12}, 4, 2, 80, 48, 7}};          // the generic kernel
+          {{40, 0}, {1, 12}, 4, 2, 80, 48, 7},           // the generic kernel
+          {{10, 0}, {9, 70}, 8, 2, 64, 64, 16, 0, 132, false, 0, 2}};  // the wgmma prefill kernel
 }
 INSTANTIATE_TEST_SUITE_P(SanitizeAttn, Attention, ::testing::ValuesIn(attn_sanitize_cases()), attn_name);
 

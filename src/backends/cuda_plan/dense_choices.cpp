@@ -62,6 +62,15 @@ AttentionKernel choose_attention_kernel(int k, int v) {
   return AttentionKernel::kUnsupported;
 }
 
+bool attention_prefill_wgmma_built(int k, int v) {
+  return k % 64 == 0 && v % 64 == 0 && choose_attention_kernel(k, v) == AttentionKernel::kTensorCore;
+}
+
+AttentionPrefillKernel choose_attention_prefill(int k, int v) {
+  return kAttentionPrefillWgmmaMeasured && attention_prefill_wgmma_built(k, v) ? AttentionPrefillKernel::kWgmma
+                                                                               : AttentionPrefillKernel::kMmaSync;
+}
+
 AttentionDecodeSplit choose_attention_decode_split(int T, int kv_heads, int group, int max_positions, int num_sms,
                                                    int k_head_dim, int v_head_dim) {
   // Enough blocks to fill the GPU about twice, but no split under kAttentionMinSplitPositions.

@@ -62,6 +62,26 @@ inline bool attention_head_dims_supported(int k_head_dim, int v_head_dim) {
   return choose_attention_kernel(k_head_dim, v_head_dim) != AttentionKernel::kUnsupported;
 }
 
+// ---- Prefill attention on the tensor cores: which kernel, and how many (token, head) rows a block
+// takes. kMmaSync (attention.cu): 4 warps x 16 rows, each warp reading its K/V rows from global
+// memory itself (54 TFLOP/s on a 4k prompt, H200 2026-12-03). kWgmma
+// (attention_prefill_wgmma.cu): 2 warpgroups x 64 rows sharing 64-position K/V tiles that
+// cp.async stages in shared memory, Q K^T and P V as wgmmas; built for head dims that are
+// multiples of 64 (its operands are 64-wide swizzle columns) where kTensorCoreHeadDims has them.
+enum class AttentionPrefillKernel { kMmaSync, kWgmma };
+inline constexpr int kAttentionPrefillRowsMmaSync = 64;
+inline constexpr int kAttentionPrefillRowsWgmma = 128;
+bool attention_prefill_wgmma_built(int k_head_dim, int v_head_dim);
+// The wgmma kernel was written on 2026-12-05 without a GPU: until the op suite has passed it and
+// dev_attention has measured it against kMmaSync on the H200 (scripts/device_run.sh unrun), the
+// choice stays kMmaSync and only tests and the workbench ask for kWgmma
+// (AttentionPlanOptions::prefill_kernel).
+inline constexpr bool kAttentionPrefillWgmmaMeasured = false;
+AttentionPrefillKernel choose_attention_prefill(int k_head_dim, int v_head_dim);
+inline int attention_prefill_rows(AttentionPrefillKernel k) {
+  return k == AttentionPrefillKernel::kWgmma ? kAttentionPrefillRowsWgmma : kAttentionPrefillRowsMmaSync;
+}
+
 // ---- Decode attention (kernels/attention_decode.cu): split over the KV positions, pipeline depth.
 // A token's positions are cut into splits of whole 64-position pieces, at least
 // kAttentionMinSplitPositions each; how many is decided per token on the device from its own

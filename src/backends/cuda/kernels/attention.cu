@@ -302,6 +302,12 @@ void launch_dims(const KParams& k, const AttentionPlan& plan, cudaStream_t strea
     }
   } else {
     if (plan.num_items == 0) return;
+    if constexpr (DK % 64 == 0 && DV % 64 == 0) {
+      if (plan.prefill_wgmma) {
+        attention_prepare();
+        return launch_prefill_wgmma<DK, DV>(k, plan.num_items, stream);
+      }
+    }
     const int zc = (plan.rows_per_item_tokens * k.group + kPrefillRows - 1) / kPrefillRows;
     const dim3 grid(plan.num_items, a.kv_heads, zc);
     launch_pdl(attn_prefill_kernel<DK, DV>, dim3(grid), dim3(kThreads), 0, stream, k);
@@ -326,6 +332,8 @@ void check_params(const AttentionParams& a, const AttentionPlan& plan) {
   MOELORA_CHECK_MSG(kernel != cuda_plan::AttentionKernel::kUnsupported && plan.generic == (kernel == cuda_plan::AttentionKernel::kGeneric),
                     "attention: head dims k={} v={} with a plan for the {} kernel", a.k_head_dim, a.v_head_dim,
                     plan.generic ? "generic" : "tensor-core");
+  MOELORA_CHECK_MSG(!plan.prefill_wgmma || (!plan.decode && cuda_plan::attention_prefill_wgmma_built(a.k_head_dim, a.v_head_dim)),
+                    "attention: a wgmma prefill plan for head dims k={} v={}", a.k_head_dim, a.v_head_dim);
   MOELORA_CHECK(a.kv_heads > 0 && a.heads % a.kv_heads == 0 && a.page_size > 0);
   auto al = [](const void* ptr, int bytes) { return (reinterpret_cast<uintptr_t>(ptr) % bytes) == 0; };
   // Tensor-core kernels: 8-byte runs of q and of the cache rows, 16-byte ones where the run allows
@@ -345,6 +353,9 @@ void attention_prepare() {
   decode_prepare<64, 64>();
   decode_prepare<128, 128>();
   decode_prepare<192, 128>();
+  prefill_wgmma_prepare<64, 64>();
+  prefill_wgmma_prepare<128, 128>();
+  prefill_wgmma_prepare<192, 128>();
   done = true;
 }
 
@@ -375,8 +386,18 @@ AttentionPlan attention_plan(const int32_t* positions, const int32_t* token_seq,
     plan.stages = opt.decode_stages != 0 ? opt.decode_stages : split.stages;
     return plan;
   }
-  // Prefill: consecutive tokens of one sequence, up to 64 (token, head) rows per block.
-  plan.rows_per_item_tokens = std::max(1, kPrefillRows / group);
+  // Prefill: consecutive tokens of one sequence, up to 64 (mma.sync) or 128 (wgmma) (token, head)
+  // rows per block.
+  cuda_plan::AttentionPrefillKernel kernel = cuda_plan::choose_attention_prefill(k_head_dim, v_head_dim);
+  if (opt.prefill_kernel == 1) kernel = cuda_plan::AttentionPrefillKernel::kMmaSync;
+  if (opt.prefill_kernel == 2) {
+    MOELORA_CHECK_MSG(cuda_plan::attention_prefill_wgmma_built(k_head_dim, v_head_dim),
+                      "attention plan: no wgmma prefill kernel for head dims k={} v={}", k_head_dim, v_head_dim);
+    kernel = cuda_plan::AttentionPrefillKernel::kWgmma;
+  }
+  plan.prefill_wgmma = kernel == cuda_plan::AttentionPrefillKernel::kWgmma;
+  static_assert(kPrefillRows == cuda_plan::kAttentionPrefillRowsMmaSync, "the plan's items are sized for this block");
+  plan.rows_per_item_tokens = std::max(1, cuda_plan::attention_prefill_rows(kernel) / group);
   for (int t = 0; t < T;) {
     int e = t + 1;
     while (e < T && token_seq[e] == token_seq[t] && e - t < plan.rows_per_item_tokens) ++e;

@@ -15,7 +15,9 @@
 //   cp.async and read once per group of query heads, which are the MMA's columns; splits are
 //   merged by a combine kernel (flash-decoding). Any token can go this way.
 // - prefill: one block per (<= 64 (token, head) rows of one sequence, kv head); each warp walks the
-//   positions its rows may see, with a per-row causal limit.
+//   positions its rows may see, with a per-row causal limit. For head dims that are multiples of
+//   64, a wgmma kernel (attention_prefill_wgmma.cu: 128 rows per block, K/V tiles shared in shared
+//   memory) where cuda_plan::choose_attention_prefill takes it.
 // Other head dims: attention_generic.cu, one warp per (token, head) on the CUDA cores, every token.
 // attention_plan() picks the kernel and the split size on the host; launches allocate nothing.
 #pragma once
@@ -67,6 +69,9 @@ struct AttentionPlanOptions {
   int max_positions = 0;
   // Workbench override of cuda_plan's pipeline depth for decode (0 = the choice; 2..4).
   int decode_stages = 0;
+  // Tests' and the workbench's override of cuda_plan::choose_attention_prefill: 0 = the choice,
+  // 1 = the mma.sync kernel, 2 = the wgmma kernel (where cuda_plan::attention_prefill_wgmma_built).
+  int prefill_kernel = 0;
 };
 
 struct AttentionPlan {
@@ -74,6 +79,7 @@ struct AttentionPlan {
   bool decode = true;
   int max_splits = 1;  // decode: splits of the longest sequence (each token's own: attention_token_split)
   int stages = 2;      // decode: K/V tiles per warp in shared memory
+  bool prefill_wgmma = false;  // prefill: attention_prefill_wgmma.cu (else attention.cu's mma.sync kernel)
   int num_items = 0;   // prefill: blocks along the token axis
   int rows_per_item_tokens = 0;
   std::vector<int32_t> meta;  // prefill: [first token, token count] per item (upload to the device)

@@ -61,6 +61,12 @@ template <int DK, int DV>
 void launch_decode(const KParams& k, cudaStream_t stream);
 template <int DK, int DV>
 void decode_prepare();
+// The wgmma prefill kernel (attention_prefill_wgmma.cu), instantiated for the head dims
+// cuda_plan::attention_prefill_wgmma_built lists; prefill_wgmma_prepare raises its shared-memory limit.
+template <int DK, int DV>
+void launch_prefill_wgmma(const KParams& k, int num_items, cudaStream_t stream);
+template <int DK, int DV>
+void prefill_wgmma_prepare();
 // The generic kernel (attention_generic.cu): every token, any head dims choose_attention_kernel allows.
 void launch_generic(const KParams& k, cudaStream_t stream);
 
