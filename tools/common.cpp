@@ -68,6 +68,9 @@ void add_cuda_backend_flags(CLI::App* cmd, BackendOptions& o) {
   cmd->add_flag("--dense-lora-in-gemm", o.cuda_dense_lora_in_gemm,
                 "CUDA: at decode sizes (up to 8 tokens) the projections' LoRA runs inside their GEMM (a shrink, "
                 "then the GEMM's epilogue) instead of a LoRA kernel after it; not yet measured on a GPU");
+  cmd->add_flag("--kv-write-in-head-pass", o.cuda_kv_write_in_head_pass,
+                "CUDA: Qwen3-style attention writes this step's k and v into the KV cache from its head-norm + RoPE "
+                "launch (one launch fewer per layer); not yet run on a GPU");
 }
 
 }  // namespace moelora::tools

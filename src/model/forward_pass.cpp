@@ -72,9 +72,13 @@ class Body {
       b_.linear(x, w.v, tab(LoraTarget::kV), v);
     }
     const float eps = static_cast<float>(c_.rms_norm_eps);
-    if (q_and_k.defined() && w.q_norm.defined()) {  // Qwen3, fused q|k: norms and rotation in one call
-      b_.head_norm_rope(q_and_k, heads, kv_heads, d, w.q_norm, w.k_norm, eps, rope_);
-    } else if (q_and_k.defined()) {  // adjacent: one rotation over heads + kv_heads heads of d
+    const float scale = static_cast<float>(c_.attention_scale());
+    Tensor attn = b_.alloc_act(T, heads * d);
+    if (q_and_k.defined() && w.q_norm.defined()) {  // Qwen3, fused q|k: norms, rotation and attention in one call
+      b_.head_norm_rope_attention(q_and_k, v, heads, kv_heads, d, w.q_norm, w.k_norm, eps, rope_, kv, scale, attn);
+      return project_out(w, attn);
+    }
+    if (q_and_k.defined()) {  // adjacent: one rotation over heads + kv_heads heads of d
       b_.rope(q_and_k, heads + kv_heads, d, 0, rope_);
     } else {
       if (w.q_norm.defined()) {
@@ -84,9 +88,12 @@ class Body {
       b_.rope(q, heads, d, 0, rope_);
       b_.rope(k, kv_heads, d, 0, rope_);
     }
-    Tensor attn = b_.alloc_act(T, heads * d);
-    b_.attention(q, k, v, kv, heads, static_cast<float>(c_.attention_scale()), attn);
-    Tensor out = b_.alloc_act(T, c_.hidden_size);
+    b_.attention(q, k, v, kv, heads, scale, attn);
+    return project_out(w, attn);
+  }
+
+  Tensor project_out(const AttentionWeights& w, const Tensor& attn) {
+    Tensor out = b_.alloc_act(attn.rows(), c_.hidden_size);
     par_.row_linear(b_, attn, w.o, tab(LoraTarget::kO), out);
     return out;
   }

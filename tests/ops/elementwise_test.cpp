@@ -2,6 +2,7 @@
 // against the CPU reference. Inputs are bf16 values the CPU sees exactly.
 #include <cstring>
 
+#include "backends/cuda/kernels/attention.cuh"
 #include "backends/cuda/kernels/elementwise.cuh"
 #include "backends/cuda/kernels/fp8_quant.cuh"
 #include "gpukit/dense.h"
@@ -21,7 +22,8 @@ struct EltCase {
   int heads = 1, stride = 0, rot_off = 0, rot = 0;
   bool inter = false;
   int add_pad = 0;  // ADD_RMSNORM: row padding of the added tensor (its own alignment)
-  int kv_heads = 0;  // HEAD_NORM_ROPE: k heads after the `heads` q heads (head_dim = stride)
+  int kv_heads = 0;  // HEAD_NORM_ROPE(_KV): k heads after the `heads` q heads (head_dim = stride)
+  int page_size = 16;  // HEAD_NORM_ROPE_KV: the paged cache's
   std::string name() const {
     std::string s = op + "(T=" + std::to_string(T) + ",cols=" + std::to_string(cols);
     if (op == "RMSNORM" || op == "ADD_RMSNORM") s += ",group=" + std::to_string(group);
@@ -30,8 +32,9 @@ struct EltCase {
            ",rot=" + std::to_string(rot) + (inter ? ",interleaved" : ",neox");
     if (ld_pad) s += ",ld+" + std::to_string(ld_pad);
     if (add_pad) s += ",add_ld+" + std::to_string(add_pad);
-    if (op == "HEAD_NORM_ROPE")
+    if (op == "HEAD_NORM_ROPE" || op == "HEAD_NORM_ROPE_KV")
       s += ",heads=" + std::to_string(heads) + "+" + std::to_string(kv_heads) + ",d=" + std::to_string(stride);
+    if (op == "HEAD_NORM_ROPE_KV") s += ",ps=" + std::to_string(page_size);
     return s + ")";
   }
 };
@@ -168,6 +171,74 @@ void run_case(const EltCase& c) {
     cpu::rope(ref.data(), cols, c.T, pos.data(), heads, d, 0, rt);
     EXPECT_CLOSE_ROWS(got, ref, c.T, cols, kOneRounding);
     EXPECT_TRUE(x.padding_intact());
+  } else if (c.op == "HEAD_NORM_ROPE_KV") {
+    // The head pass with the cache write (CudaBackend::head_norm_rope_attention): x's bits are the
+    // plain head pass's, and the cache rows of the step's tokens hold exactly what
+    // launch_kv_cache_write stores from them (the rotated k heads, v); no other row is touched.
+    // Tokens of 3 sequences at scattered positions, pages shuffled.
+    const int d = c.stride, heads = c.heads + c.kv_heads, cols = heads * d, kvw = c.kv_heads * d, qc = c.heads * d;
+    DevMat x(c.T, cols, cols + c.ld_pad), x2(c.T, cols, cols + c.ld_pad), v(c.T, kvw, kvw + 8), wq(1, d), wk(1, d);
+    x.randomize(rng, 2.0f);
+    x2.host = x.host;
+    x2.upload();
+    v.randomize(rng);
+    wq.randomize(rng);
+    wk.randomize(rng);
+    constexpr int kSeqs = 3, kMaxPos = 300;
+    const int pages_per_seq = (kMaxPos + c.page_size - 1) / c.page_size, num_pages = kSeqs * pages_per_seq + 2;
+    std::vector<int32_t> pool(num_pages), indptr{0}, indices, pos(c.T), seq(c.T);
+    for (int i = 0; i < num_pages; ++i) pool[i] = i;
+    for (int i = num_pages - 1; i > 0; --i) std::swap(pool[i], pool[rng.integer(0, i)]);
+    for (int s = 0; s < kSeqs; ++s) {
+      indices.insert(indices.end(), pool.begin() + s * pages_per_seq, pool.begin() + (s + 1) * pages_per_seq);
+      indptr.push_back(static_cast<int32_t>(indices.size()));
+    }
+    std::vector<std::vector<bool>> taken(kSeqs, std::vector<bool>(kMaxPos, false));
+    for (int t = 0; t < c.T; ++t) {  // distinct positions per sequence, as a step has them
+      seq[t] = t % kSeqs;
+      do pos[t] = rng.integer(0, kMaxPos - 1);
+      while (taken[seq[t]][pos[t]]);
+      taken[seq[t]][pos[t]] = true;
+    }
+    RopeTable rt;
+    rt.rot_dim = d;
+    for (int i = 0; i < d / 2; ++i) rt.inv_freq.push_back(static_cast<float>(1.0 / std::pow(1e6, 2.0 * i / d)));
+    DeviceArray<int32_t> dpos(std::max<size_t>(pos.size(), 1)), dseq(std::max<size_t>(seq.size(), 1)), dptr(indptr),
+        dind(indices);
+    dpos.upload(pos);
+    dseq.upload(seq);
+    DeviceArray<float> dinv(rt.inv_freq);
+    const size_t cache_n = static_cast<size_t>(num_pages) * c.page_size * kvw;
+    DeviceArray<uint16_t> kc(std::vector<uint16_t>(cache_n, 0x7fc0)), vc(std::vector<uint16_t>(cache_n, 0x7fc0));
+    DeviceArray<uint16_t> kc2(std::vector<uint16_t>(cache_n, 0x7fc0)), vc2(std::vector<uint16_t>(cache_n, 0x7fc0));
+    cuda::HeadNormRopeParams p;
+    p.x = x.ptr(), p.ld_x = x.ld, p.T = c.T, p.q_heads = c.heads, p.kv_heads = c.kv_heads, p.head_dim = d;
+    p.q_norm = wq.ptr(), p.k_norm = wk.ptr(), p.eps = 1e-6f, p.positions = dpos.get(), p.inv_freq = dinv.get();
+    cuda::HeadNormRopeParams p2 = p;
+    p2.x = x2.ptr();
+    p.k_cache = reinterpret_cast<__nv_bfloat16*>(kc.get());
+    p.v_cache = reinterpret_cast<__nv_bfloat16*>(vc.get());
+    p.v = v.ptr(), p.ld_v = v.ld, p.page_size = c.page_size;
+    p.token_seq = dseq.get(), p.page_indptr = dptr.get(), p.page_indices = dind.get();
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    cuda::launch_head_norm_rope(p, st);
+    cuda::launch_head_norm_rope(p2, st);  // the reference: the plain pass, then the attention's cache write
+    cuda::AttentionParams a;
+    a.k = x2.ptr() + qc, a.ld_k = x2.ld, a.v = v.ptr(), a.ld_v = v.ld, a.T = c.T;
+    a.k_cache = reinterpret_cast<__nv_bfloat16*>(kc2.get());
+    a.v_cache = reinterpret_cast<__nv_bfloat16*>(vc2.get());
+    a.page_size = c.page_size, a.kv_heads = c.kv_heads, a.k_head_dim = d, a.v_head_dim = d;
+    a.positions = dpos.get(), a.token_seq = dseq.get(), a.page_indptr = dptr.get(), a.page_indices = dind.get();
+    cuda::launch_kv_cache_write(a, st);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_EQ(x.dev.download(), x2.dev.download()) << "the head pass's bits changed with the cache write";
+    EXPECT_EQ(kc.download(), kc2.download()) << "k cache differs from launch_kv_cache_write's";
+    EXPECT_EQ(vc.download(), vc2.download()) << "v cache differs from launch_kv_cache_write's";
+    // And the rows written are the step's (so the comparison above is not NaN against NaN only).
+    size_t written = 0;
+    for (uint16_t b : kc.download()) written += b != 0x7fc0;
+    EXPECT_GE(written, static_cast<size_t>(c.T) * kvw * 9 / 10);  // a bf16 equal to the poison is rare
+    EXPECT_TRUE(x.padding_intact() && kc.guard_intact() && vc.guard_intact());
   } else if (c.op == "ROPE") {
     const int cols = c.heads * c.stride;
     DevMat x(c.T, cols, cols + c.ld_pad);
@@ -405,6 +476,18 @@ std::vector<EltCase> elt_cases() {
     h.heads = 2, h.kv_heads = 1, h.stride = 256, h.ld_pad = 8;
     v.push_back(h);
     h.heads = 8, h.kv_heads = 2, h.stride = 192, h.T = 9;  // D / 2 = 96: partners three registers apart
+    v.push_back(h);
+  }
+  for (int T : {0, 1, 7, 200}) {  // the head pass with the cache write: Qwen3-30B-A3B, then 64 and 192 dims
+    EltCase h{"HEAD_NORM_ROPE_KV", T, 0};
+    h.heads = 32, h.kv_heads = 4, h.stride = 128, h.ld_pad = T == 7 ? 8 : 0, h.page_size = T == 7 ? 5 : 16;
+    v.push_back(h);
+  }
+  {
+    EltCase h{"HEAD_NORM_ROPE_KV", 9, 0};
+    h.heads = 4, h.kv_heads = 2, h.stride = 64, h.page_size = 3;
+    v.push_back(h);
+    h.heads = 8, h.kv_heads = 2, h.stride = 192, h.page_size = 16;
     v.push_back(h);
   }
   v.push_back({"SILU_MUL", 3, 192, 0, 8});

@@ -315,12 +315,9 @@ void CudaBackend::rope(Tensor x, int heads, int head_stride, int rot_offset, con
   cuda::launch_rope(p, main_);
 }
 
-// One launch where the head fits a warp's registers and the rotation covers it (Qwen3); otherwise
-// the three calls it stands for.
-void CudaBackend::head_norm_rope(Tensor x, int q_heads, int kv_heads, int head_dim, const Tensor& q_norm,
-                                 const Tensor& k_norm, float eps, const RopeTable& rope) {
-  if (!cuda::head_norm_rope_supported(head_dim, rope.rot_dim, rope.interleaved))
-    return Backend::head_norm_rope(x, q_heads, kv_heads, head_dim, q_norm, k_norm, eps, rope);
+cuda::HeadNormRopeParams CudaBackend::head_norm_rope_params(Tensor x, int q_heads, int kv_heads, int head_dim,
+                                                           const Tensor& q_norm, const Tensor& k_norm, float eps,
+                                                           const RopeTable& rope) {
   MOELORA_CHECK_MSG(x.cols() == int64_t{q_heads + kv_heads} * head_dim && q_norm.numel() == head_dim &&
                         k_norm.numel() == head_dim,
                     "head_norm_rope: x {} for {} + {} heads of {}", x.shape_string(), q_heads, kv_heads, head_dim);
@@ -337,11 +334,52 @@ void CudaBackend::head_norm_rope(Tensor x, int q_heads, int kv_heads, int head_d
   p.positions = meta_->positions;
   p.inv_freq = device_inv_freq(rope);
   p.attention_factor = rope.attention_factor;
+  return p;
+}
+
+// One launch where the head fits a warp's registers and the rotation covers it (Qwen3); otherwise
+// the three calls it stands for.
+void CudaBackend::head_norm_rope(Tensor x, int q_heads, int kv_heads, int head_dim, const Tensor& q_norm,
+                                 const Tensor& k_norm, float eps, const RopeTable& rope) {
+  if (!cuda::head_norm_rope_supported(head_dim, rope.rot_dim, rope.interleaved))
+    return Backend::head_norm_rope(x, q_heads, kv_heads, head_dim, q_norm, k_norm, eps, rope);
+  cuda::launch_head_norm_rope(head_norm_rope_params(x, q_heads, kv_heads, head_dim, q_norm, k_norm, eps, rope), main_);
+}
+
+// The cache write moves into the head pass (CudaBackendOptions::kv_write_in_head_pass) where that
+// pass is one launch and the cache's heads are the projection's (k and v head dims both head_dim):
+// one launch fewer per layer (the KV write kernel), the same bits in the cache and in the output.
+void CudaBackend::head_norm_rope_attention(Tensor q_and_k, const Tensor& v, int heads, int kv_heads, int head_dim,
+                                           const Tensor& q_norm, const Tensor& k_norm, float eps, const RopeTable& rope,
+                                           KvLayer& kv, float scale, Tensor out) {
+  const Tensor q = q_and_k.slice_cols(0, int64_t{heads} * head_dim);
+  const Tensor k = q_and_k.slice_cols(int64_t{heads} * head_dim, int64_t{kv_heads} * head_dim);
+  if (!opts_.kv_write_in_head_pass || !cuda::head_norm_rope_supported(head_dim, rope.rot_dim, rope.interleaved) ||
+      kv.k_head_dim != head_dim ||
+      kv.v_head_dim != head_dim || kv.kv_heads != kv_heads || v.cols() != int64_t{kv_heads} * head_dim) {
+    head_norm_rope(q_and_k, heads, kv_heads, head_dim, q_norm, k_norm, eps, rope);
+    return run_attention(q, k, v, kv, heads, scale, out, true);
+  }
+  cuda::HeadNormRopeParams p = head_norm_rope_params(q_and_k, heads, kv_heads, head_dim, q_norm, k_norm, eps, rope);
+  p.k_cache = act(kv.k);
+  p.v_cache = act(kv.v);
+  p.v = act(v);
+  p.ld_v = v.ld();
+  p.page_size = kv.page_size;
+  p.token_seq = meta_->token_seq;
+  p.page_indptr = meta_->page_indptr;
+  p.page_indices = meta_->page_indices;
   cuda::launch_head_norm_rope(p, main_);
+  run_attention(q, k, v, kv, heads, scale, out, false);
 }
 
 void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, KvLayer& kv, int heads, float scale,
                             Tensor out) {
+  run_attention(q, k, v, kv, heads, scale, out, true);
+}
+
+void CudaBackend::run_attention(const Tensor& q, const Tensor& k, const Tensor& v, KvLayer& kv, int heads, float scale,
+                                Tensor out, bool write_cache) {
   MOELORA_CHECK_MSG(cuda_plan::attention_head_dims_supported(kv.k_head_dim, kv.v_head_dim),
                     "the CUDA attention kernels do not support head dims (k {}, v {})", kv.k_head_dim, kv.v_head_dim);
   const int T = static_cast<int>(q.rows());
@@ -385,7 +423,8 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k, const Tensor& v, K
   p.page_indices = meta_->page_indices;
   const size_t ws = cuda::attention_workspace_bytes(*attn_plan_, T, heads, kv.v_head_dim);
   void* w = ws ? arena_alloc(ws) : nullptr;
-  cuda::launch_attention(p, *attn_plan_, attn_meta_, w, ws, main_);
+  if (write_cache) cuda::launch_kv_cache_write(p, main_);
+  cuda::launch_attention_no_cache_write(p, *attn_plan_, attn_meta_, w, ws, main_);
 }
 
 void CudaBackend::silu_mul(const Tensor& gate, const Tensor& up, Tensor out) {

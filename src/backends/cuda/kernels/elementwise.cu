@@ -216,12 +216,30 @@ __global__ void head_norm_rope_kernel(HeadNormRopeParams p) {
   for (int j = 0; j < kJn; ++j)  // the normed head as rmsnorm stores it
     v[j] = __bfloat162float(__float2bfloat16(v[j] * inv * __bfloat162float(w[lane + 32 * j])));
   const int32_t pos = p.positions[t];
+  // A kv head with the cache write: its row of the cache (the page table as attention.cu reads it).
+  const bool to_cache = p.k_cache != nullptr && h >= p.q_heads;
+  bf16* kc = nullptr;
+  if (to_cache) {
+    const int page = pos / p.page_size;
+    const int64_t row = static_cast<int64_t>(p.page_indices[p.page_indptr[p.token_seq[t]] + page]) * p.page_size +
+                        (pos - page * p.page_size);
+    const int64_t off = row * (static_cast<int64_t>(p.kv_heads) * D) + static_cast<int64_t>(h - p.q_heads) * D;
+    kc = p.k_cache + off;
+    const bf16* vs = p.v + t * p.ld_v + static_cast<int64_t>(h - p.q_heads) * D;
+    bf16* vd = p.v_cache + off;
+#pragma unroll
+    for (int j = 0; j < kJn; ++j) vd[lane + 32 * j] = vs[lane + 32 * j];
+  }
 #pragma unroll
   for (int j = 0; j < kJh; ++j) {
     const int i = lane + 32 * j;
     float c, s;
     rope_cos_sin(pos, p.inv_freq[i], p.attention_factor, &c, &s);
     rope_pair(v[j], v[j + kJh], c, s, x + i, x + i + kHalf);
+    if (to_cache) {  // the stored bits, read back by the thread that wrote them
+      kc[i] = x[i];
+      kc[i + kHalf] = x[i + kHalf];
+    }
   }
 }
 
@@ -384,6 +402,8 @@ bool head_norm_rope_supported(int head_dim, int rot_dim, bool interleaved) {
 void launch_head_norm_rope(const HeadNormRopeParams& p, cudaStream_t stream) {
   MOELORA_CHECK_MSG(head_norm_rope_supported(p.head_dim, p.head_dim, false) && p.q_norm && p.k_norm,
                     "head_norm_rope: head_dim {} (a multiple of 64 up to {})", p.head_dim, kHeadNormRopeMaxDim);
+  MOELORA_CHECK_MSG(!p.k_cache || (p.v_cache && p.v && p.page_size > 0 && p.token_seq && p.page_indptr && p.page_indices),
+                    "head_norm_rope: a cache write needs v, both caches and the page tables");
   if (p.T == 0) return;
   const int64_t warps = static_cast<int64_t>(p.T) * (p.q_heads + p.kv_heads);
   const dim3 grid(static_cast<unsigned>(ceil_div64(warps, 4))), block(128);

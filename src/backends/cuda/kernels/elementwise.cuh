@@ -86,6 +86,18 @@ struct HeadNormRopeParams {
   const int32_t* positions = nullptr;  // [T] device
   const float* inv_freq = nullptr;     // [head_dim / 2] device
   float attention_factor = 1.0f;
+  // Optional (k_cache set): the cache write of launch_kv_cache_write (attention.cuh) in the same
+  // pass, so that attention runs without its own (launch_attention_no_cache_write): the rotated kv
+  // heads, as stored in x, and v's heads go to their token's (sequence, position) row of the paged
+  // cache [pages, page_size, kv_heads * head_dim] (k and v head dims both head_dim).
+  __nv_bfloat16* k_cache = nullptr;
+  __nv_bfloat16* v_cache = nullptr;
+  const __nv_bfloat16* v = nullptr;  // [T, kv_heads * head_dim]
+  int64_t ld_v = 0;
+  int page_size = 0;
+  const int32_t* token_seq = nullptr;     // [T] device
+  const int32_t* page_indptr = nullptr;   // device, CSR over sequences
+  const int32_t* page_indices = nullptr;  // device
 };
 bool head_norm_rope_supported(int head_dim, int rot_dim, bool interleaved);
 void launch_head_norm_rope(const HeadNormRopeParams& p, cudaStream_t stream);
