@@ -74,20 +74,16 @@ class Body {
     const float eps = static_cast<float>(c_.rms_norm_eps);
     const float scale = static_cast<float>(c_.attention_scale());
     Tensor attn = b_.alloc_act(T, heads * d);
-    if (q_and_k.defined() && w.q_norm.defined()) {  // Qwen3, fused q|k: norms, rotation and attention in one call
-      b_.head_norm_rope_attention(q_and_k, v, heads, kv_heads, d, w.q_norm, w.k_norm, eps, rope_, kv, scale, attn);
+    if (q_and_k.defined()) {  // fused q|k: (Qwen3's norms,) one rotation and attention in one call
+      b_.rotary_attention(q_and_k, v, heads, kv_heads, d, w.q_norm, w.k_norm, eps, rope_, kv, scale, attn);
       return project_out(w, attn);
     }
-    if (q_and_k.defined()) {  // adjacent: one rotation over heads + kv_heads heads of d
-      b_.rope(q_and_k, heads + kv_heads, d, 0, rope_);
-    } else {
-      if (w.q_norm.defined()) {
-        b_.rmsnorm(q, w.q_norm, eps, q);
-        b_.rmsnorm(k, w.k_norm, eps, k);
-      }
-      b_.rope(q, heads, d, 0, rope_);
-      b_.rope(k, kv_heads, d, 0, rope_);
+    if (w.q_norm.defined()) {
+      b_.rmsnorm(q, w.q_norm, eps, q);
+      b_.rmsnorm(k, w.k_norm, eps, k);
     }
+    b_.rope(q, heads, d, 0, rope_);
+    b_.rope(k, kv_heads, d, 0, rope_);
     b_.attention(q, k, v, kv, heads, scale, attn);
     return project_out(w, attn);
   }

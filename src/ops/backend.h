@@ -159,15 +159,20 @@ class Backend {
             x.slice_cols(int64_t{q_heads} * head_dim, int64_t{kv_heads} * head_dim));
     this->rope(x, q_heads + kv_heads, head_dim, 0, rope);
   }
-  // The attention of an architecture with per-head q/k norms (Qwen3) after its fused q|k|v
-  // projection: head_norm_rope(q_and_k, heads, kv_heads, head_dim, q_norm, k_norm, eps, rope), then
-  // attention(q, k, v, kv, heads, scale, out) with q and k the column slices of q_and_k: exactly
-  // those two calls (the default). A backend may write the rotated k and v into the cache in the
-  // head pass instead of in attention (CUDA: one launch fewer per layer, the same bits).
-  virtual void head_norm_rope_attention(Tensor q_and_k, const Tensor& v, int heads, int kv_heads, int head_dim,
-                                        const Tensor& q_norm, const Tensor& k_norm, float eps, const RopeTable& rope,
-                                        KvLayer& kv, float scale, Tensor out) {
-    head_norm_rope(q_and_k, heads, kv_heads, head_dim, q_norm, k_norm, eps, rope);
+  // GQA attention after a fused q|k|v projection, on the adjacent q | k heads of q_and_k: with
+  // per-head norms (q_norm defined, Qwen3) head_norm_rope(q_and_k, heads, kv_heads, head_dim,
+  // q_norm, k_norm, eps, rope), without them (Mixtral) rope(q_and_k, heads + kv_heads, head_dim, 0,
+  // rope); then attention(q, k, v, kv, heads, scale, out) with q and k the column slices of
+  // q_and_k: exactly those calls (the default). A backend may write the rotated k and v into the
+  // cache in the rotation's pass instead of in attention (CUDA: one launch fewer per layer, the
+  // same bits).
+  virtual void rotary_attention(Tensor q_and_k, const Tensor& v, int heads, int kv_heads, int head_dim,
+                                const Tensor& q_norm, const Tensor& k_norm, float eps, const RopeTable& rope, KvLayer& kv,
+                                float scale, Tensor out) {
+    if (q_norm.defined())
+      head_norm_rope(q_and_k, heads, kv_heads, head_dim, q_norm, k_norm, eps, rope);
+    else
+      this->rope(q_and_k, heads + kv_heads, head_dim, 0, rope);
     attention(q_and_k.slice_cols(0, int64_t{heads} * head_dim),
               q_and_k.slice_cols(int64_t{heads} * head_dim, int64_t{kv_heads} * head_dim), v, kv, heads, scale, out);
   }

@@ -32,9 +32,9 @@ struct EltCase {
            ",rot=" + std::to_string(rot) + (inter ? ",interleaved" : ",neox");
     if (ld_pad) s += ",ld+" + std::to_string(ld_pad);
     if (add_pad) s += ",add_ld+" + std::to_string(add_pad);
-    if (op == "HEAD_NORM_ROPE" || op == "HEAD_NORM_ROPE_KV")
+    if (op == "HEAD_NORM_ROPE" || op == "HEAD_NORM_ROPE_KV" || op == "ROPE_KV")
       s += ",heads=" + std::to_string(heads) + "+" + std::to_string(kv_heads) + ",d=" + std::to_string(stride);
-    if (op == "HEAD_NORM_ROPE_KV") s += ",ps=" + std::to_string(page_size);
+    if (op == "HEAD_NORM_ROPE_KV" || op == "ROPE_KV") s += ",ps=" + std::to_string(page_size);
     return s + ")";
   }
 };
@@ -171,11 +171,13 @@ void run_case(const EltCase& c) {
     cpu::rope(ref.data(), cols, c.T, pos.data(), heads, d, 0, rt);
     EXPECT_CLOSE_ROWS(got, ref, c.T, cols, kOneRounding);
     EXPECT_TRUE(x.padding_intact());
-  } else if (c.op == "HEAD_NORM_ROPE_KV") {
-    // The head pass with the cache write (CudaBackend::head_norm_rope_attention): x's bits are the
-    // plain head pass's, and the cache rows of the step's tokens hold exactly what
-    // launch_kv_cache_write stores from them (the rotated k heads, v); no other row is touched.
-    // Tokens of 3 sequences at scattered positions, pages shuffled.
+  } else if (c.op == "HEAD_NORM_ROPE_KV" || c.op == "ROPE_KV") {
+    // A rotation pass with the cache write (CudaBackend::rotary_attention): Qwen3's head norm +
+    // RoPE, or RoPE alone (Mixtral) over the q | k heads. x's bits are the plain pass's, and the
+    // cache rows of the step's tokens hold exactly what launch_kv_cache_write stores from them (the
+    // rotated k heads, v); no other row is touched. Tokens of 3 sequences at scattered positions,
+    // pages shuffled.
+    const bool norms = c.op == "HEAD_NORM_ROPE_KV";
     const int d = c.stride, heads = c.heads + c.kv_heads, cols = heads * d, kvw = c.kv_heads * d, qc = c.heads * d;
     DevMat x(c.T, cols, cols + c.ld_pad), x2(c.T, cols, cols + c.ld_pad), v(c.T, kvw, kvw + 8), wq(1, d), wk(1, d);
     x.randomize(rng, 2.0f);
@@ -211,18 +213,31 @@ void run_case(const EltCase& c) {
     const size_t cache_n = static_cast<size_t>(num_pages) * c.page_size * kvw;
     DeviceArray<uint16_t> kc(std::vector<uint16_t>(cache_n, 0x7fc0)), vc(std::vector<uint16_t>(cache_n, 0x7fc0));
     DeviceArray<uint16_t> kc2(std::vector<uint16_t>(cache_n, 0x7fc0)), vc2(std::vector<uint16_t>(cache_n, 0x7fc0));
-    cuda::HeadNormRopeParams p;
-    p.x = x.ptr(), p.ld_x = x.ld, p.T = c.T, p.q_heads = c.heads, p.kv_heads = c.kv_heads, p.head_dim = d;
-    p.q_norm = wq.ptr(), p.k_norm = wk.ptr(), p.eps = 1e-6f, p.positions = dpos.get(), p.inv_freq = dinv.get();
-    cuda::HeadNormRopeParams p2 = p;
-    p2.x = x2.ptr();
-    p.k_cache = reinterpret_cast<__nv_bfloat16*>(kc.get());
-    p.v_cache = reinterpret_cast<__nv_bfloat16*>(vc.get());
-    p.v = v.ptr(), p.ld_v = v.ld, p.page_size = c.page_size;
-    p.token_seq = dseq.get(), p.page_indptr = dptr.get(), p.page_indices = dind.get();
+    cuda::KvCacheWrite w;
+    w.k_cache = reinterpret_cast<__nv_bfloat16*>(kc.get());
+    w.v_cache = reinterpret_cast<__nv_bfloat16*>(vc.get());
+    w.v = v.ptr(), w.ld_v = v.ld, w.page_size = c.page_size;
+    w.token_seq = dseq.get(), w.page_indptr = dptr.get(), w.page_indices = dind.get();
     MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-    cuda::launch_head_norm_rope(p, st);
-    cuda::launch_head_norm_rope(p2, st);  // the reference: the plain pass, then the attention's cache write
+    // Then the reference: the plain pass, then the attention's cache write.
+    if (norms) {
+      cuda::HeadNormRopeParams p;
+      p.x = x.ptr(), p.ld_x = x.ld, p.T = c.T, p.q_heads = c.heads, p.kv_heads = c.kv_heads, p.head_dim = d;
+      p.q_norm = wq.ptr(), p.k_norm = wk.ptr(), p.eps = 1e-6f, p.positions = dpos.get(), p.inv_freq = dinv.get();
+      cuda::HeadNormRopeParams p2 = p;
+      p2.x = x2.ptr();
+      p.cache = w;
+      cuda::launch_head_norm_rope(p, st);
+      cuda::launch_head_norm_rope(p2, st);
+    } else {
+      cuda::RopeParams p{x.ptr(), x.ld, c.T, dpos.get(), heads, d, 0, d, false, dinv.get(), 1.0f};
+      cuda::RopeParams p2 = p;
+      p2.x = x2.ptr();
+      p.kv_first_head = c.heads;
+      p.cache = w;
+      cuda::launch_rope(p, st);
+      cuda::launch_rope(p2, st);
+    }
     cuda::AttentionParams a;
     a.k = x2.ptr() + qc, a.ld_k = x2.ld, a.v = v.ptr(), a.ld_v = v.ld, a.T = c.T;
     a.k_cache = reinterpret_cast<__nv_bfloat16*>(kc2.get());
@@ -476,6 +491,13 @@ std::vector<EltCase> elt_cases() {
     h.heads = 2, h.kv_heads = 1, h.stride = 256, h.ld_pad = 8;
     v.push_back(h);
     h.heads = 8, h.kv_heads = 2, h.stride = 192, h.T = 9;  // D / 2 = 96: partners three registers apart
+    v.push_back(h);
+  }
+  for (int T : {1, 7, 64}) {  // RoPE alone with the cache write: Mixtral (32 + 8 heads of 128), then 32 dims
+    EltCase h{"ROPE_KV", T, 0};
+    h.heads = 32, h.kv_heads = 8, h.stride = 128, h.ld_pad = T == 7 ? 8 : 0, h.page_size = T == 7 ? 5 : 16;
+    v.push_back(h);
+    h.heads = 4, h.kv_heads = 2, h.stride = 32, h.page_size = 3;
     v.push_back(h);
   }
   for (int T : {0, 1, 7, 200}) {  // the head pass with the cache write: Qwen3-30B-A3B, then 64 and 192 dims

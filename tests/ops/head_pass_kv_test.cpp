@@ -1,6 +1,6 @@
-// Op suite: Backend::head_norm_rope_attention on CUDA with the cache write in the head pass
-// (CudaBackendOptions::kv_write_in_head_pass) against the same backend without it (head pass, cache
-// write, attention: three launches), bit for bit: output, rotated q|k, both caches; and against the
+// Op suite: Backend::rotary_attention on CUDA with the cache write in the rotation's pass
+// (CudaBackendOptions::kv_write_in_head_pass: Qwen3's head norm + RoPE, or RoPE alone) against the
+// same backend without it (rotation, cache write, attention: three launches), bit for bit: output, rotated q|k, both caches; and against the
 // CPU backend (the spec) within the attention tolerance. Steps of one case run in order on the same
 // caches (a prefill chunk, then decode steps reading what the earlier steps wrote).
 #include <cmath>
@@ -23,11 +23,12 @@ struct HeadPassCase {
   std::vector<int> cached;  // positions in the cache before the first step, per sequence
   std::vector<int> fresh;   // tokens of the first step, per sequence (later steps: one each)
   int steps = 3;
+  bool norms = true;  // Qwen3's per-head q/k norms; false: RoPE alone (Mixtral)
   std::string name() const {
     std::string s = "HEADPASS(h=" + std::to_string(heads) + "/" + std::to_string(kv_heads) + ",d=" + std::to_string(d) +
                     ",ps=" + std::to_string(page_size) + ",new=";
     for (size_t i = 0; i < fresh.size(); ++i) s += (i ? "/" : "") + std::to_string(fresh[i]);
-    return s + ",steps=" + std::to_string(steps) + ")";
+    return s + ",steps=" + std::to_string(steps) + (norms ? "" : ",no-norms") + ")";
   }
 };
 void PrintTo(const HeadPassCase& c, std::ostream* os) { *os << c.name(); }
@@ -117,8 +118,9 @@ TEST_P(HeadPassKv, SameBitsAsTheCacheWriteKernel) {
     cpu.begin_step(b);
     std::vector<float> qkv_cpu = qkv, ref(static_cast<size_t>(T) * qn);
     const Tensor x_cpu(qkv_cpu.data(), DType::kF32, {T, width});
-    cpu.head_norm_rope_attention(x_cpu.slice_cols(0, qn + kn), x_cpu.slice_cols(qn + kn, kn), c.heads, c.kv_heads, d,
-                                 wq_cpu, wk_cpu, 1e-6f, rope, kv_cpu, scale, Tensor(ref.data(), DType::kF32, {T, qn}));
+    cpu.rotary_attention(x_cpu.slice_cols(0, qn + kn), x_cpu.slice_cols(qn + kn, kn), c.heads, c.kv_heads, d,
+                         c.norms ? wq_cpu : Tensor(), c.norms ? wk_cpu : Tensor(), 1e-6f, rope, kv_cpu, scale,
+                         Tensor(ref.data(), DType::kF32, {T, qn}));
 
     std::vector<std::vector<uint16_t>> out_bits, x_bits;
     for (CudaBackend* gpu : {&on, &off}) {
@@ -127,9 +129,9 @@ TEST_P(HeadPassKv, SameBitsAsTheCacheWriteKernel) {
       ASSERT_EQ(gpu->begin_step(b).num_tokens(), T);  // eager: no padding
       const Tensor out = gpu->alloc_act(T, qn);
       KvLayer& kv = gpu == &on ? kv_on : kv_off;
-      gpu->head_norm_rope_attention(x.slice_cols(0, qn + kn), x.slice_cols(qn + kn, kn), c.heads, c.kv_heads, d,
-                                    gpu == &on ? wq_on : wq_off, gpu == &on ? wk_on : wk_off, 1e-6f, rope, kv, scale,
-                                    out);
+      const Tensor wq_dev = gpu == &on ? wq_on : wq_off, wk_dev = gpu == &on ? wk_on : wk_off;
+      gpu->rotary_attention(x.slice_cols(0, qn + kn), x.slice_cols(qn + kn, kn), c.heads, c.kv_heads, d,
+                            c.norms ? wq_dev : Tensor(), c.norms ? wk_dev : Tensor(), 1e-6f, rope, kv, scale, out);
       gpu->end_step_body(out);
       gpu->synchronize();
       std::vector<uint16_t> o(static_cast<size_t>(T) * qn), xb(static_cast<size_t>(T) * width);
@@ -163,6 +165,9 @@ std::vector<HeadPassCase> head_pass_cases() {
       {8, 2, 64, 5, {0}, {9}, 4},
       // 192-dim heads (16 q per kv head), decode only.
       {16, 1, 192, 16, {100, 3}, {1, 1}, 2},
+      // RoPE alone: Mixtral's heads (32 / 8 x 128), then 32-dim heads (no head-norm kernel for them).
+      {32, 8, 128, 16, {0, 17}, {24, 5}, 3, false},
+      {4, 2, 32, 7, {3}, {12}, 3, false},
   };
 }
 std::string head_pass_name(const ::testing::TestParamInfo<HeadPassCase>& i) { return gtest_safe(i.param.name()); }

@@ -28,6 +28,7 @@ class LoraContext;
 class LoraCopier;
 struct AttentionPlan;
 struct HeadNormRopeParams;
+struct RopeParams;
 }  // namespace moelora::cuda
 
 namespace moelora {
@@ -48,8 +49,9 @@ struct CudaBackendOptions {
   // sizes instead of the GEMM then the segmented LoRA kernel. Off: written without a GPU, to be
   // turned on by default once measured (`--dense-lora-in-gemm` on verify / bench / serve).
   bool dense_lora_in_gemm = false;
-  // Qwen3-style attention (Backend::head_norm_rope_attention): this step's k and v go into the KV
-  // cache from the head-norm + rotation launch instead of a cache-write launch before attention.
+  // GQA attention after a fused q|k|v projection (Backend::rotary_attention): this step's k and v
+  // go into the KV cache from the rotation's launch (Qwen3's head norm + RoPE, or RoPE alone)
+  // instead of a cache-write launch before attention.
   // Off: written without a GPU, to be turned on by default once verify has passed with it on the
   // H200 (`--kv-write-in-head-pass` on verify / bench / serve).
   bool kv_write_in_head_pass = false;
@@ -108,9 +110,9 @@ class CudaBackend final : public Backend {
   void add_rmsnorm(const Tensor& x, Tensor inout, const Tensor& w, float eps, Tensor out) override;
   void head_norm_rope(Tensor x, int q_heads, int kv_heads, int head_dim, const Tensor& q_norm, const Tensor& k_norm,
                       float eps, const RopeTable& rope) override;
-  void head_norm_rope_attention(Tensor q_and_k, const Tensor& v, int heads, int kv_heads, int head_dim,
-                                const Tensor& q_norm, const Tensor& k_norm, float eps, const RopeTable& rope,
-                                KvLayer& kv, float scale, Tensor out) override;
+  void rotary_attention(Tensor q_and_k, const Tensor& v, int heads, int kv_heads, int head_dim, const Tensor& q_norm,
+                        const Tensor& k_norm, float eps, const RopeTable& rope, KvLayer& kv, float scale,
+                        Tensor out) override;
   void router_logits(const Tensor& x, const LinearWeight& gate, Tensor out) override;
   void topk_softmax(const Tensor& logits, int k, bool renormalize, Tensor ids, Tensor weights) override;
   void topk_sigmoid_grouped(const Tensor& logits, const Tensor& bias, int k, int n_group, int topk_group,
@@ -200,6 +202,7 @@ class CudaBackend final : public Backend {
   // attention(), with (`write_cache`) or without the cache write of this step's k and v.
   void run_attention(const Tensor& q, const Tensor& k, const Tensor& v, KvLayer& kv, int heads, float scale, Tensor out,
                      bool write_cache);
+  cuda::RopeParams rope_params(Tensor x, int heads, int head_stride, int rot_offset, const RopeTable& rope);
   cuda::HeadNormRopeParams head_norm_rope_params(Tensor x, int q_heads, int kv_heads, int head_dim, const Tensor& q_norm,
                                                  const Tensor& k_norm, float eps, const RopeTable& rope);
 

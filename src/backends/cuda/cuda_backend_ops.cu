@@ -299,7 +299,7 @@ void CudaBackend::capture_lora(const Tensor& x, const std::vector<LoraOutput>& o
   cuda::lora_run(*lora_, prs.data(), n, plan, recipe.dev_meta, none, main_, recipe.capacity);
 }
 
-void CudaBackend::rope(Tensor x, int heads, int head_stride, int rot_offset, const RopeTable& rope) {
+cuda::RopeParams CudaBackend::rope_params(Tensor x, int heads, int head_stride, int rot_offset, const RopeTable& rope) {
   cuda::RopeParams p;
   p.x = act(x);
   p.ld_x = x.ld();
@@ -312,7 +312,11 @@ void CudaBackend::rope(Tensor x, int heads, int head_stride, int rot_offset, con
   p.interleaved = rope.interleaved;
   p.inv_freq = device_inv_freq(rope);
   p.attention_factor = rope.attention_factor;
-  cuda::launch_rope(p, main_);
+  return p;
+}
+
+void CudaBackend::rope(Tensor x, int heads, int head_stride, int rot_offset, const RopeTable& rope) {
+  cuda::launch_rope(rope_params(x, heads, head_stride, rot_offset, rope), main_);
 }
 
 cuda::HeadNormRopeParams CudaBackend::head_norm_rope_params(Tensor x, int q_heads, int kv_heads, int head_dim,
@@ -346,30 +350,45 @@ void CudaBackend::head_norm_rope(Tensor x, int q_heads, int kv_heads, int head_d
   cuda::launch_head_norm_rope(head_norm_rope_params(x, q_heads, kv_heads, head_dim, q_norm, k_norm, eps, rope), main_);
 }
 
-// The cache write moves into the head pass (CudaBackendOptions::kv_write_in_head_pass) where that
-// pass is one launch and the cache's heads are the projection's (k and v head dims both head_dim):
-// one launch fewer per layer (the KV write kernel), the same bits in the cache and in the output.
-void CudaBackend::head_norm_rope_attention(Tensor q_and_k, const Tensor& v, int heads, int kv_heads, int head_dim,
-                                           const Tensor& q_norm, const Tensor& k_norm, float eps, const RopeTable& rope,
-                                           KvLayer& kv, float scale, Tensor out) {
+// The cache write moves into the rotation's launch (CudaBackendOptions::kv_write_in_head_pass):
+// Qwen3's head norm + RoPE where that is one launch, or RoPE alone over whole heads (Mixtral), with
+// the cache's heads the projection's (k and v head dims both head_dim): one launch fewer per layer
+// (the KV write kernel), the same bits in the cache and in the output.
+void CudaBackend::rotary_attention(Tensor q_and_k, const Tensor& v, int heads, int kv_heads, int head_dim,
+                                   const Tensor& q_norm, const Tensor& k_norm, float eps, const RopeTable& rope,
+                                   KvLayer& kv, float scale, Tensor out) {
   const Tensor q = q_and_k.slice_cols(0, int64_t{heads} * head_dim);
   const Tensor k = q_and_k.slice_cols(int64_t{heads} * head_dim, int64_t{kv_heads} * head_dim);
-  if (!opts_.kv_write_in_head_pass || !cuda::head_norm_rope_supported(head_dim, rope.rot_dim, rope.interleaved) ||
-      kv.k_head_dim != head_dim ||
-      kv.v_head_dim != head_dim || kv.kv_heads != kv_heads || v.cols() != int64_t{kv_heads} * head_dim) {
-    head_norm_rope(q_and_k, heads, kv_heads, head_dim, q_norm, k_norm, eps, rope);
+  const bool norms = q_norm.defined();
+  const bool fused_pass = norms ? cuda::head_norm_rope_supported(head_dim, rope.rot_dim, rope.interleaved)
+                                : rope.rot_dim == head_dim;
+  if (!opts_.kv_write_in_head_pass || !fused_pass || kv.k_head_dim != head_dim || kv.v_head_dim != head_dim ||
+      kv.kv_heads != kv_heads || v.cols() != int64_t{kv_heads} * head_dim || v.dtype() != DType::kBF16) {
+    if (norms)
+      head_norm_rope(q_and_k, heads, kv_heads, head_dim, q_norm, k_norm, eps, rope);
+    else
+      this->rope(q_and_k, heads + kv_heads, head_dim, 0, rope);
     return run_attention(q, k, v, kv, heads, scale, out, true);
   }
-  cuda::HeadNormRopeParams p = head_norm_rope_params(q_and_k, heads, kv_heads, head_dim, q_norm, k_norm, eps, rope);
-  p.k_cache = act(kv.k);
-  p.v_cache = act(kv.v);
-  p.v = act(v);
-  p.ld_v = v.ld();
-  p.page_size = kv.page_size;
-  p.token_seq = meta_->token_seq;
-  p.page_indptr = meta_->page_indptr;
-  p.page_indices = meta_->page_indices;
-  cuda::launch_head_norm_rope(p, main_);
+  cuda::KvCacheWrite w;
+  w.k_cache = act(kv.k);
+  w.v_cache = act(kv.v);
+  w.v = act(v);
+  w.ld_v = v.ld();
+  w.page_size = kv.page_size;
+  w.token_seq = meta_->token_seq;
+  w.page_indptr = meta_->page_indptr;
+  w.page_indices = meta_->page_indices;
+  if (norms) {
+    cuda::HeadNormRopeParams p = head_norm_rope_params(q_and_k, heads, kv_heads, head_dim, q_norm, k_norm, eps, rope);
+    p.cache = w;
+    cuda::launch_head_norm_rope(p, main_);
+  } else {
+    cuda::RopeParams p = rope_params(q_and_k, heads + kv_heads, head_dim, 0, rope);
+    p.kv_first_head = heads;
+    p.cache = w;
+    cuda::launch_rope(p, main_);
+  }
   run_attention(q, k, v, kv, heads, scale, out, false);
 }
 

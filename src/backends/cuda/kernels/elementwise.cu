@@ -162,6 +162,15 @@ __device__ __forceinline__ void rope_cos_sin(int32_t pos, float inv_freq, float 
   *s *= factor;
 }
 
+// Element offset of token t's row, kv head kvh, in a cache of kv_heads heads of D values.
+__device__ __forceinline__ int64_t kv_cache_offset(const KvCacheWrite& c, int64_t t, int32_t pos, int kv_heads, int D,
+                                                   int kvh) {
+  const int page = pos / c.page_size;
+  const int64_t row =
+      static_cast<int64_t>(c.page_indices[c.page_indptr[c.token_seq[t]] + page]) * c.page_size + (pos - page * c.page_size);
+  return row * (static_cast<int64_t>(kv_heads) * D) + static_cast<int64_t>(kvh) * D;
+}
+
 __global__ void rope_kernel(RopeParams p) {
   pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
   pdl_trigger();
@@ -171,13 +180,25 @@ __global__ void rope_kernel(RopeParams p) {
   const int64_t t = idx / half;
   const int i = static_cast<int>(idx % half);
   float s, c;
-  rope_cos_sin(p.positions[t], p.inv_freq[i], p.attention_factor, &c, &s);
+  const int32_t pos = p.positions[t];
+  rope_cos_sin(pos, p.inv_freq[i], p.attention_factor, &c, &s);
   const int o1 = p.interleaved ? 2 * i : i;
   const int o2 = p.interleaved ? 2 * i + 1 : i + half;
   bf16* row = p.x + t * p.ld_x + p.rot_offset;
+  const KvCacheWrite& kw = p.cache;
+  const int kv_heads = p.heads - p.kv_first_head;
+  const int64_t cache_row = kw.k_cache ? kv_cache_offset(kw, t, pos, kv_heads, p.head_stride, 0) : 0;
   for (int h = 0; h < p.heads; ++h) {
     bf16* base = row + static_cast<int64_t>(h) * p.head_stride;
     rope_pair(__bfloat162float(base[o1]), __bfloat162float(base[o2]), c, s, base + o1, base + o2);
+    if (kw.k_cache && h >= p.kv_first_head) {  // pair (o1, o2) of a kv head: its rotated k and its v
+      const int64_t off = cache_row + static_cast<int64_t>(h - p.kv_first_head) * p.head_stride;
+      kw.k_cache[off + o1] = base[o1];  // the stored bits, read back by the thread that wrote them
+      kw.k_cache[off + o2] = base[o2];
+      const bf16* vs = kw.v + t * kw.ld_v + static_cast<int64_t>(h - p.kv_first_head) * p.head_stride;
+      kw.v_cache[off + o1] = vs[o1];
+      kw.v_cache[off + o2] = vs[o2];
+    }
   }
 }
 
@@ -217,16 +238,14 @@ __global__ void head_norm_rope_kernel(HeadNormRopeParams p) {
     v[j] = __bfloat162float(__float2bfloat16(v[j] * inv * __bfloat162float(w[lane + 32 * j])));
   const int32_t pos = p.positions[t];
   // A kv head with the cache write: its row of the cache (the page table as attention.cu reads it).
-  const bool to_cache = p.k_cache != nullptr && h >= p.q_heads;
+  const KvCacheWrite& kw = p.cache;
+  const bool to_cache = kw.k_cache != nullptr && h >= p.q_heads;
   bf16* kc = nullptr;
   if (to_cache) {
-    const int page = pos / p.page_size;
-    const int64_t row = static_cast<int64_t>(p.page_indices[p.page_indptr[p.token_seq[t]] + page]) * p.page_size +
-                        (pos - page * p.page_size);
-    const int64_t off = row * (static_cast<int64_t>(p.kv_heads) * D) + static_cast<int64_t>(h - p.q_heads) * D;
-    kc = p.k_cache + off;
-    const bf16* vs = p.v + t * p.ld_v + static_cast<int64_t>(h - p.q_heads) * D;
-    bf16* vd = p.v_cache + off;
+    const int64_t off = kv_cache_offset(kw, t, pos, p.kv_heads, D, h - p.q_heads);
+    kc = kw.k_cache + off;
+    const bf16* vs = kw.v + t * kw.ld_v + static_cast<int64_t>(h - p.q_heads) * D;
+    bf16* vd = kw.v_cache + off;
 #pragma unroll
     for (int j = 0; j < kJn; ++j) vd[lane + 32 * j] = vs[lane + 32 * j];
   }
@@ -387,8 +406,17 @@ void launch_rmsnorm(const RmsNormParams& p, cudaStream_t stream) {
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 
+static void check_cache_write(const KvCacheWrite& c, const char* op) {
+  MOELORA_CHECK_MSG(!c.k_cache || (c.v_cache && c.v && c.page_size > 0 && c.token_seq && c.page_indptr && c.page_indices),
+                    "{}: a cache write needs v, both caches and the page tables", op);
+}
+
 void launch_rope(const RopeParams& p, cudaStream_t stream) {
   MOELORA_CHECK(p.rot_dim % 2 == 0 && p.rot_offset + p.rot_dim <= p.head_stride);
+  check_cache_write(p.cache, "rope");
+  MOELORA_CHECK_MSG(!p.cache.k_cache || (p.rot_offset == 0 && p.rot_dim == p.head_stride && p.kv_first_head >= 0 &&
+                                         p.kv_first_head < p.heads),
+                    "rope: the cache write needs whole heads rotated and kv heads after the q heads");
   if (p.T == 0 || p.rot_dim == 0) return;
   const int64_t n = static_cast<int64_t>(p.T) * (p.rot_dim / 2);
   launch_pdl(rope_kernel, dim3(static_cast<unsigned>(ceil_div64(n, 128))), dim3(128), 0, stream, p);
@@ -402,8 +430,7 @@ bool head_norm_rope_supported(int head_dim, int rot_dim, bool interleaved) {
 void launch_head_norm_rope(const HeadNormRopeParams& p, cudaStream_t stream) {
   MOELORA_CHECK_MSG(head_norm_rope_supported(p.head_dim, p.head_dim, false) && p.q_norm && p.k_norm,
                     "head_norm_rope: head_dim {} (a multiple of 64 up to {})", p.head_dim, kHeadNormRopeMaxDim);
-  MOELORA_CHECK_MSG(!p.k_cache || (p.v_cache && p.v && p.page_size > 0 && p.token_seq && p.page_indptr && p.page_indices),
-                    "head_norm_rope: a cache write needs v, both caches and the page tables");
+  check_cache_write(p.cache, "head_norm_rope");
   if (p.T == 0) return;
   const int64_t warps = static_cast<int64_t>(p.T) * (p.q_heads + p.kv_heads);
   const dim3 grid(static_cast<unsigned>(ceil_div64(warps, 4))), block(128);

@@ -51,6 +51,22 @@ struct RmsNormParams {
 };
 void launch_rmsnorm(const RmsNormParams& p, cudaStream_t stream);
 
+// The paged KV-cache write of launch_kv_cache_write (attention.cuh), done by a rotation kernel for
+// this step's kv heads so that attention runs without its own (launch_attention_no_cache_write):
+// the rotated k heads, as stored in x, and v's heads go to their token's (sequence, position) row
+// of the cache [pages, page_size, kv_heads * head_dim] (k and v head dims both head_dim). Off
+// while k_cache is null.
+struct KvCacheWrite {
+  __nv_bfloat16* k_cache = nullptr;
+  __nv_bfloat16* v_cache = nullptr;
+  const __nv_bfloat16* v = nullptr;  // [T, kv_heads * head_dim]
+  int64_t ld_v = 0;
+  int page_size = 0;
+  const int32_t* token_seq = nullptr;     // [T] device
+  const int32_t* page_indptr = nullptr;   // device, CSR over sequences
+  const int32_t* page_indices = nullptr;  // device
+};
+
 // In place on x [T, heads * head_stride]: rotates dims [rot_offset, rot_offset + rot_dim) of every
 // head by angle = float(pos[t]) * inv_freq[i] (f32, as transformers), cos/sin times
 // attention_factor. Neox pairs (i, i + rot_dim/2); interleaved pairs (2i, 2i + 1).
@@ -66,6 +82,10 @@ struct RopeParams {
   bool interleaved = false;
   const float* inv_freq = nullptr;  // [rot_dim / 2] device
   float attention_factor = 1.0f;
+  // Optional: heads from kv_first_head on are kv heads whose rotated values (and v) go to the cache;
+  // needs the whole head rotated (rot_offset 0, rot_dim == head_stride).
+  int kv_first_head = 0;
+  KvCacheWrite cache;
 };
 void launch_rope(const RopeParams& p, cudaStream_t stream);
 
@@ -86,18 +106,7 @@ struct HeadNormRopeParams {
   const int32_t* positions = nullptr;  // [T] device
   const float* inv_freq = nullptr;     // [head_dim / 2] device
   float attention_factor = 1.0f;
-  // Optional (k_cache set): the cache write of launch_kv_cache_write (attention.cuh) in the same
-  // pass, so that attention runs without its own (launch_attention_no_cache_write): the rotated kv
-  // heads, as stored in x, and v's heads go to their token's (sequence, position) row of the paged
-  // cache [pages, page_size, kv_heads * head_dim] (k and v head dims both head_dim).
-  __nv_bfloat16* k_cache = nullptr;
-  __nv_bfloat16* v_cache = nullptr;
-  const __nv_bfloat16* v = nullptr;  // [T, kv_heads * head_dim]
-  int64_t ld_v = 0;
-  int page_size = 0;
-  const int32_t* token_seq = nullptr;     // [T] device
-  const int32_t* page_indptr = nullptr;   // device, CSR over sequences
-  const int32_t* page_indices = nullptr;  // device
+  KvCacheWrite cache;  // optional: the kv heads' cache write in the same pass
 };
 bool head_norm_rope_supported(int head_dim, int rot_dim, bool interleaved);
 void launch_head_norm_rope(const HeadNormRopeParams& p, cudaStream_t stream);
