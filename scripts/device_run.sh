@@ -230,6 +230,9 @@ for stage in $stages; do
       timeout 150 $bin verify --fixtures tests/fixtures --backend cuda --dense-lora-in-gemm $mode > $log 2>&1
       echo "exit $?"; grep "all cases" $log; tail -1 $log
     done
+    echo "== verify cuda --kv-write-in-head-pass (Mixtral's fixtures take the fused RoPE + cache write)"
+    timeout 150 $bin verify --fixtures tests/fixtures --backend cuda --kv-write-in-head-pass > $out/verify_cuda_kv_write.log 2>&1
+    echo "exit $?"; grep "all cases" $out/verify_cuda_kv_write.log; tail -1 $out/verify_cuda_kv_write.log
     echo "== decode step with and without it, and with the KV write in the head pass (8 adapters)"
     for flag in "" "--dense-lora-in-gemm" "--kv-write-in-head-pass"; do
       timeout 120 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8 --adapters 0,8 \
