@@ -100,6 +100,7 @@ const Version kVersions[] = {{"v1 decode (plan)", 132, 1},     {"v2 decode 66-SM
 int main(int argc, char** argv) {
   // `dev_attention prefill`: the prefill rows only (scripts/device_run.sh unrun).
   const bool prefill_only = argc > 1 && std::string(argv[1]) == "prefill";
+  attention_prepare();  // kernel attributes before any graph capture
   const double copy = print_ceilings("attention");
   FastRng rng(11);
   const size_t row = size_t(kKvHeads) * kDim;  // elements per cache row, K or V
