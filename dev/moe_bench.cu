@@ -17,6 +17,8 @@
 // against their own kernels;
 // `dev_moe_bench nvfp4` the same layer with NVFP4 experts (the 4-bit mma.sync variant) against
 // the CPU reference, its own 4-bit floor and the FP8 layer.
+#include <cuda_profiler_api.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <set>
@@ -508,16 +510,22 @@ int main(int argc, char** argv) {
     return nvfp4_mode(b, b4, ncopies, bw) ? 0 : 1;
   }
   if (argc > 4 && std::string(argv[1]) == "profile") {
-    // `profile T tile act8 [wgmma]`: three eager base launches of one configuration (for ncu);
-    // wgmma 0 (default) the mma.sync kernels, 1 the Hopper GEMM.
+    // `profile T tile act8 [wgmma [adapters]]`: three eager launches of one configuration (for ncu);
+    // wgmma 0 (default) the mma.sync kernels, 1 the Hopper GEMM; -1 for tile, act8 or wgmma: the
+    // heuristic's; adapters 0 (default: base), 1 or 8 (r 16 LoRA on every expert).
     Version v = kV2;
     const int T = std::atoi(argv[2]);
     v.tile = std::atoi(argv[3]);
     v.act8 = std::atoi(argv[4]);
     v.wgmma = argc > 5 ? std::atoi(argv[5]) : 0;  // mma.sync unless asked: the `moe` stage profiles moe_gemm_kernel
-    for (int i = 0; i < 3; ++i) b.launch(nullptr, i % ncopies, T, v, 0);
+    const int adapters = argc > 6 ? std::atoi(argv[6]) : 0;
     MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-    std::printf("profiled T=%d tile=%d act8=%d\n", T, v.tile, v.act8);
+    // Only these launches for `ncu --profile-from-start off` (a no-op under a profiler that starts at once).
+    MOELORA_CUDA_CHECK(cudaProfilerStart());
+    for (int i = 0; i < 3; ++i) b.launch(nullptr, i % ncopies, T, v, adapters);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    MOELORA_CUDA_CHECK(cudaProfilerStop());
+    std::printf("profiled T=%d tile=%d act8=%d wgmma=%d adapters=%d\n", T, v.tile, v.act8, v.wgmma, adapters);
     return 0;
   }
   std::printf("expert set %.0f MB x %d copies; LoRA %d adapters r=%d on all %d experts\n",

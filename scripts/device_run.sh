@@ -17,6 +17,8 @@
 #   split    the wgmma MoE op-suite cases and `dev_moe_bench split` (e4m3 x e4m3 wgmmas: W8A16 with
 #            split-form activations, W8A8) against the CPU and the other kernels, timed
 #   moeops   the MoE op-suite cases only (every kernel of the MoE layer vs the CPU reference)
+#   loraprof every kernel of one MoE layer with and without 8 LoRA adapters at 1 and 64 tokens (ncu
+#            durations, kernels alone): where issue 10's LoRA tax goes
 #   unrun    first run of what the 2026-12-05 tenth session wrote without a GPU: the op cases of the
 #            down LoRA expand in moe_reduce, NVFP4 on the wgmma GEMM, the penalty slots and the dense
 #            LoRA epilogue, then `dev_lora_dense ingemm`, verify and the decode step with
@@ -189,6 +191,35 @@ for stage in $stages; do
           $out/ncu_wgmma_T256_tile$tl.log | head -24
       done
     fi ;;
+  loraprof)
+    # Where the MoE LoRA tax goes (issue 10: +112 % at 1 token, +56 % at 64 with 8 adapters): every
+    # kernel of the layer's third launch, base and 8 adapters, at the heuristic's choices; ncu
+    # serialises them, so each duration is the kernel alone (no side-stream overlap).
+    for T in 1 64; do
+      for ad in 0 8; do
+        log=$out/ncu_moe_lora_T${T}_a${ad}.csv
+        timeout 150 ncu --profile-from-start off --print-units base --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread \
+          --csv ./.device/dev_moe_bench profile $T -1 -1 -1 $ad > $log 2>&1; echo "ncu T=$T adapters=$ad exit $?"
+        python3 - "$log" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+head, rows = rows[0], rows[1:]
+ki, mi, vi, ii = head.index("Kernel Name"), head.index("Metric Name"), head.index("Metric Value"), head.index("ID")
+per = {}
+for r in rows:
+    per.setdefault(int(r[ii]), {"name": r[ki][:60]})[r[mi]] = r[vi]
+ids = sorted(per)
+last = ids[len(ids) * 2 // 3:]  # the third of three launches
+total = 0.0
+for i in last:
+    d = float(per[i].get("gpu__time_duration.sum", "0").replace(",", "")) / 1000.0
+    total += d
+    print(f"  {d:8.2f} us  grid {per[i].get('launch__grid_size','?'):>6} block {per[i].get('launch__block_size','?'):>4} "
+          f"regs {per[i].get('launch__registers_per_thread','?'):>4}  {per[i]['name']}")
+print(f"  {total:8.2f} us in {len(last)} kernels")
+PY
+      done
+    done ;;
   split)
     echo "== op suite, wgmma MoE cases (dequantising, split form, W8A8)"
     timeout 300 ./.device/moelora_op_suite --gtest_brief=1 --gtest_filter='Moe*wgmma*:MoeSanitize*' > $out/op_suite_split.log 2>&1
