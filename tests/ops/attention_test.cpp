@@ -8,6 +8,7 @@
 #include "backends/cuda/kernels/attention.cuh"
 #include "core/tensor.h"
 #include "gpukit/dense.h"
+#include "gpukit/paging.h"
 #include "tests/ops/op_suite.h"
 
 namespace moelora::ops_test {
@@ -57,19 +58,12 @@ TEST_P(Attention, MatchesCpu) {
   // Pages: every sequence gets enough for cached + fresh, drawn from a shuffled pool with spares.
   StepBatch b;
   std::vector<int> need(S);
-  int total_pages = 0;
-  for (int s = 0; s < S; ++s) total_pages += need[s] = (c.cached[s] + c.fresh[s] + c.page_size - 1) / c.page_size;
-  const int num_pages = total_pages + 3;
-  std::vector<int> pool(num_pages);
-  std::iota(pool.begin(), pool.end(), 0);
-  for (int i = num_pages - 1; i > 0; --i) std::swap(pool[i], pool[rng.integer(0, i)]);
-  b.seq_pages.resize(S);
-  std::vector<int32_t> indptr{0}, indices;
-  for (int s = 0, next = 0; s < S; ++s) {
-    for (int i = 0; i < need[s]; ++i) b.seq_pages[s].push_back(pool[next++]);
-    indices.insert(indices.end(), b.seq_pages[s].begin(), b.seq_pages[s].end());
-    indptr.push_back(static_cast<int32_t>(indices.size()));
-  }
+  for (int s = 0; s < S; ++s) need[s] = pages_for(c.cached[s] + c.fresh[s], c.page_size);
+  const PagedSequences paged = shuffled_pages(rng, need, 3);
+  const int num_pages = paged.num_pages;
+  b.seq_pages = paged.pages;
+  const std::vector<int32_t>& indptr = paged.indptr;
+  const std::vector<int32_t>& indices = paged.indices;
   for (int s = 0; s < S; ++s)
     for (int i = 0; i < c.fresh[s]; ++i) {
       b.token_ids.push_back(0);

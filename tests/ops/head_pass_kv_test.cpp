@@ -10,6 +10,7 @@
 #include "backends/cuda/cuda_backend.h"
 #include "core/tensor.h"
 #include "gpukit/dense.h"
+#include "gpukit/paging.h"
 #include "tests/ops/op_suite.h"
 
 namespace moelora::ops_test {
@@ -43,16 +44,11 @@ TEST_P(HeadPassKv, SameBitsAsTheCacheWriteKernel) {
   Rng rng(seed_of(c.name()));
   const int S = static_cast<int>(c.cached.size()), d = c.d, ps = c.page_size;
   const int qn = c.heads * d, kn = c.kv_heads * d, width = qn + 2 * kn;
-  std::vector<std::vector<int32_t>> pages(S);
-  int total = 0;
   std::vector<int> need(S);
-  for (int s = 0; s < S; ++s) total += need[s] = (c.cached[s] + c.fresh[s] + c.steps - 1 + ps - 1) / ps;
-  const int num_pages = total + 2;
-  std::vector<int> pool(num_pages);
-  std::iota(pool.begin(), pool.end(), 0);
-  for (int i = num_pages - 1; i > 0; --i) std::swap(pool[i], pool[rng.integer(0, i)]);
-  for (int s = 0, next = 0; s < S; ++s)
-    for (int i = 0; i < need[s]; ++i) pages[s].push_back(pool[next++]);
+  for (int s = 0; s < S; ++s) need[s] = pages_for(c.cached[s] + c.fresh[s] + c.steps - 1, ps);
+  const PagedSequences paged = shuffled_pages(rng, need, 2);
+  const int num_pages = paged.num_pages;
+  const std::vector<std::vector<int32_t>>& pages = paged.pages;
 
   RopeTable rope;
   rope.rot_dim = d;
@@ -96,19 +92,7 @@ TEST_P(HeadPassKv, SameBitsAsTheCacheWriteKernel) {
 
   for (int step = 0; step < c.steps; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
-    StepBatch b;
-    b.seq_pages = pages;
-    for (int s = 0; s < S; ++s) {
-      const int n = step == 0 ? c.fresh[s] : 1;
-      const int first = c.cached[s] + (step == 0 ? 0 : c.fresh[s] + step - 1);
-      for (int i = 0; i < n; ++i) {
-        b.token_ids.push_back(0);
-        b.positions.push_back(first + i);
-        b.token_seq.push_back(s);
-        b.token_slot.push_back(-1);
-      }
-      if (n > 0) b.logit_rows.push_back(b.num_tokens() - 1);
-    }
+    const StepBatch b = multi_step_batch(pages, c.cached, c.fresh, step, [](int) { return -1; });
     const int T = b.num_tokens();
     std::vector<float> qkv(static_cast<size_t>(T) * width);
     for (auto& x : qkv) x = bf16_round(rng.normal());

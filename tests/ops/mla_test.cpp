@@ -14,6 +14,7 @@
 #include "backends/cuda/cuda_backend.h"
 #include "core/tensor.h"
 #include "gpukit/dense.h"
+#include "gpukit/paging.h"
 #include "tests/ops/op_suite.h"
 
 namespace moelora::ops_test {
@@ -74,16 +75,11 @@ TEST_P(MlaAbsorbed, MatchesCpu) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.nope + c.rope));
 
   // Pages for every position the steps reach, from a shuffled pool with spares.
-  std::vector<std::vector<int32_t>> pages(S);
-  int total_pages = 0;
   std::vector<int> need(S);
-  for (int s = 0; s < S; ++s) total_pages += need[s] = (c.cached[s] + c.fresh[s] + c.steps - 1 + ps - 1) / ps;
-  const int num_pages = total_pages + 3;
-  std::vector<int> pool(num_pages);
-  std::iota(pool.begin(), pool.end(), 0);
-  for (int i = num_pages - 1; i > 0; --i) std::swap(pool[i], pool[rng.integer(0, i)]);
-  for (int s = 0, next = 0; s < S; ++s)
-    for (int i = 0; i < need[s]; ++i) pages[s].push_back(pool[next++]);
+  for (int s = 0; s < S; ++s) need[s] = pages_for(c.cached[s] + c.fresh[s] + c.steps - 1, ps);
+  const PagedSequences paged = shuffled_pages(rng, need, 3);
+  const int num_pages = paged.num_pages;
+  const std::vector<std::vector<int32_t>>& pages = paged.pages;
   auto row_of = [&](int s, int pos) { return static_cast<int64_t>(pages[s][pos / ps]) * ps + pos % ps; };
 
   // kv_b: FP8 block-scaled (the reference gets its exact dequantisation rounded to bf16, which is what
@@ -173,21 +169,9 @@ TEST_P(MlaAbsorbed, MatchesCpu) {
 
   for (int step = 0; step < c.steps; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
-    StepBatch b;
-    b.seq_pages = pages;
-    for (int s = 0; s < S; ++s) {
-      const int n = step == 0 ? c.fresh[s] : 1;
-      const int first = c.cached[s] + (step == 0 ? 0 : c.fresh[s] + step - 1);
-      // Graph steps give each sequence another slot every step (same mix, so the same graph).
-      const int slot = c.graph ? c.slot[(s + step) % S] : c.slot[s];
-      for (int i = 0; i < n; ++i) {
-        b.token_ids.push_back(0);
-        b.positions.push_back(first + i);
-        b.token_seq.push_back(s);
-        b.token_slot.push_back(slot);
-      }
-      if (n > 0) b.logit_rows.push_back(b.num_tokens() - 1);
-    }
+    // Graph steps give each sequence another slot every step (same mix, so the same graph).
+    const StepBatch b = multi_step_batch(pages, c.cached, c.fresh, step,
+                                         [&](int s) { return c.graph ? c.slot[(s + step) % S] : c.slot[s]; });
     const int T = b.num_tokens();
     std::vector<float> q(static_cast<size_t>(T) * qw), ckv(static_cast<size_t>(T) * W);
     for (auto& x : q) x = bf16_round(rng.normal());

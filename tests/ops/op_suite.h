@@ -13,6 +13,7 @@
 #include "gpukit/device_array.h"
 #include "gpukit/numeric.h"
 #include "gpukit/random.h"
+#include "ops/types.h"
 
 namespace moelora::ops_test {
 
@@ -32,6 +33,29 @@ inline std::string gtest_safe(const std::string& s, bool trim_trailing = true) {
   for (char c : s) o += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
   while (trim_trailing && !o.empty() && o.back() == '_') o.pop_back();
   return o;
+}
+
+// Step `step` of a case whose sequences first bring fresh[s] tokens after cached[s] positions, then
+// one token each per step: token ids 0, positions, sequences, the pages, slot_of(s) for every token
+// of sequence s, and each sequence's last token as a logit row.
+template <class SlotOf>
+StepBatch multi_step_batch(const std::vector<std::vector<int32_t>>& pages, const std::vector<int>& cached,
+                           const std::vector<int>& fresh, int step, SlotOf slot_of) {
+  StepBatch b;
+  b.seq_pages = pages;
+  for (int s = 0; s < static_cast<int>(cached.size()); ++s) {
+    const int n = step == 0 ? fresh[s] : 1;
+    const int first = cached[s] + (step == 0 ? 0 : fresh[s] + step - 1);
+    const int slot = slot_of(s);
+    for (int i = 0; i < n; ++i) {
+      b.token_ids.push_back(0);
+      b.positions.push_back(first + i);
+      b.token_seq.push_back(s);
+      b.token_slot.push_back(slot);
+    }
+    if (n > 0) b.logit_rows.push_back(b.num_tokens() - 1);
+  }
+  return b;
 }
 
 #define EXPECT_CLOSE_ROWS(out, ref, rows, cols, tol)                                            \

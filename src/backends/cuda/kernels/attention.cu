@@ -131,42 +131,16 @@ struct Attn {
       mma_bf16_16816(s[0], qa[i], k0[i].x, k0[i].y);
       mma_bf16_16816(s[1], qa[i], k1[i].x, k1[i].y);
     }
-    float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int pos = p0 + nt * 8 + 2 * t + (e & 1);
         const int lim = e < 2 ? lim0 : lim1;
-        const float v = pos <= lim && pos < kend ? s[nt][e] * p.scale_log2 : -INFINITY;
-        s[nt][e] = v;
-        if (e < 2)
-          mx0 = fmaxf(mx0, v);
-        else
-          mx1 = fmaxf(mx1, v);
+        s[nt][e] = pos <= lim && pos < kend ? s[nt][e] * p.scale_log2 : -INFINITY;
       }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m[0], mx0), mn1 = fmaxf(m[1], mx1);
-    // A row that has seen no key yet keeps max -inf; subtracting 0 then keeps every term 0.
-    const float b0 = mn0 == -INFINITY ? 0.0f : mn0, b1 = mn1 == -INFINITY ? 0.0f : mn1;
-    const float al0 = exp2f(m[0] - b0), al1 = exp2f(m[1] - b1);
-    m[0] = mn0;
-    m[1] = mn1;
-    float ps0 = 0.0f, ps1 = 0.0f;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      s[nt][0] = exp2f(s[nt][0] - b0);
-      s[nt][1] = exp2f(s[nt][1] - b0);
-      s[nt][2] = exp2f(s[nt][2] - b1);
-      s[nt][3] = exp2f(s[nt][3] - b1);
-      ps0 += s[nt][0] + s[nt][1];
-      ps1 += s[nt][2] + s[nt][3];
-    }
-    l[0] = l[0] * al0 + ps0;
-    l[1] = l[1] * al1 + ps1;
+    float al0, al1;
+    online_softmax_step(s, m, l, al0, al1);
     const uint32_t pa[4] = {pack_bf16x2(s[0][0], s[0][1]), pack_bf16x2(s[0][2], s[0][3]),
                             pack_bf16x2(s[1][0], s[1][1]), pack_bf16x2(s[1][2], s[1][3])};
 #pragma unroll
@@ -234,12 +208,8 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(const __grid_con
 #pragma unroll
   for (int j = 0; j < A::VR; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
   for (int p0 = 0; p0 < kend; p0 += 16) A::tile(p, seq_base, kvh, p0, kend, lim0, lim1, qa, m, l, o, g, t);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
-  const float inv0 = v0 ? 1.0f / l[0] : 0.0f, inv1 = v1 ? 1.0f / l[1] : 0.0f;
+  float inv0, inv1;
+  row_normalisers(l, v0, v1, inv0, inv1);
   bf16* out0 = p.a.out + static_cast<int64_t>(tok0) * p.a.ld_out + static_cast<int64_t>(h0) * DV;
   bf16* out1 = p.a.out + static_cast<int64_t>(tok1) * p.a.ld_out + static_cast<int64_t>(h1) * DV;
 #pragma unroll

@@ -41,6 +41,57 @@ __device__ __forceinline__ int64_t cache_row(const KParams& p, int seq_base, int
   return static_cast<int64_t>(p.a.page_indices[seq_base + pi]) * p.a.page_size + (pos - pi * p.a.page_size);
 }
 
+// One tile's step of the online softmax (f32, exp2 domain) for the two rows a lane holds in an
+// MMA accumulator layout: s[j][e] is row g + 8 (e / 2) (g = lane / 4), already scaled and masked
+// (-inf), and the row's NB * 2 scores in a lane are a quarter of the tile's (the quad's lanes hold
+// the rest). Updates the running maxima m and sums l, turns s into exp2(s - max) and returns in
+// al0 / al1 the factors by which the rows' output accumulators are to be rescaled.
+template <int NB>
+__device__ __forceinline__ void online_softmax_step(float (&s)[NB][4], float (&m)[2], float (&l)[2], float& al0,
+                                                    float& al1) {
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    mx0 = fmaxf(fmaxf(mx0, s[j][0]), s[j][1]);
+    mx1 = fmaxf(fmaxf(mx1, s[j][2]), s[j][3]);
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  const float mn0 = fmaxf(m[0], mx0), mn1 = fmaxf(m[1], mx1);
+  // A row that has seen no key yet keeps max -inf; subtracting 0 then keeps every term 0.
+  const float b0 = mn0 == -INFINITY ? 0.0f : mn0, b1 = mn1 == -INFINITY ? 0.0f : mn1;
+  al0 = exp2f(m[0] - b0);
+  al1 = exp2f(m[1] - b1);
+  m[0] = mn0;
+  m[1] = mn1;
+  float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    s[j][0] = exp2f(s[j][0] - b0);
+    s[j][1] = exp2f(s[j][1] - b0);
+    s[j][2] = exp2f(s[j][2] - b1);
+    s[j][3] = exp2f(s[j][3] - b1);
+    ps0 += s[j][0] + s[j][1];
+    ps1 += s[j][2] + s[j][3];
+  }
+  l[0] = l[0] * al0 + ps0;
+  l[1] = l[1] * al1 + ps1;
+}
+
+// After the last tile: the rows' softmax sums over their quad, and the factors that normalise the
+// rows' outputs (0 for a row past the block's end, which is not stored).
+__device__ __forceinline__ void row_normalisers(float (&l)[2], bool v0, bool v1, float& inv0, float& inv1) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+  inv0 = v0 ? 1.0f / l[0] : 0.0f;
+  inv1 = v1 ? 1.0f / l[1] : 0.0f;
+}
+
 // cp.async of SZ bytes (4, 8 or 16); pred false writes zeros and reads nothing.
 template <int SZ>
 __device__ __forceinline__ void cp_async(void* smem, const void* gmem, bool pred) {

@@ -160,39 +160,16 @@ __global__ void __launch_bounds__(kBlockThreads, 1) attn_prefill_wgmma_kernel(co
       wgmma_commit();
       wgmma_wait0();
       // s[4j + e]: row g + 8 (e / 2), position p0 + 8j + 2t + e % 2.
-      float mx0 = -INFINITY, mx1 = -INFINITY;
+      float(&sj)[8][4] = reinterpret_cast<float(&)[8][4]>(s);
 #pragma unroll
       for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int pos = p0 + 8 * j + 2 * t + (e & 1);
-          const float v = pos <= (e < 2 ? lim0 : lim1) ? s[4 * j + e] * p.scale_log2 : -INFINITY;
-          s[4 * j + e] = v;
-          if (e < 2) mx0 = fmaxf(mx0, v);
-          else mx1 = fmaxf(mx1, v);
+          sj[j][e] = pos <= (e < 2 ? lim0 : lim1) ? sj[j][e] * p.scale_log2 : -INFINITY;
         }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      const float mn0 = fmaxf(m[0], mx0), mn1 = fmaxf(m[1], mx1);
-      // A row that has seen no key yet keeps max -inf; subtracting 0 then keeps every term 0.
-      const float b0 = mn0 == -INFINITY ? 0.0f : mn0, b1 = mn1 == -INFINITY ? 0.0f : mn1;
-      const float al0 = exp2f(m[0] - b0), al1 = exp2f(m[1] - b1);
-      m[0] = mn0;
-      m[1] = mn1;
-      float ps0 = 0.0f, ps1 = 0.0f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        s[4 * j + 0] = exp2f(s[4 * j + 0] - b0);
-        s[4 * j + 1] = exp2f(s[4 * j + 1] - b0);
-        s[4 * j + 2] = exp2f(s[4 * j + 2] - b1);
-        s[4 * j + 3] = exp2f(s[4 * j + 3] - b1);
-        ps0 += s[4 * j + 0] + s[4 * j + 1];
-        ps1 += s[4 * j + 2] + s[4 * j + 3];
-      }
-      l[0] = l[0] * al0 + ps0;
-      l[1] = l[1] * al1 + ps1;
+      float al0, al1;
+      online_softmax_step(sj, m, l, al0, al1);
 #pragma unroll
       for (int c = 0; c < DV / 64; ++c)
 #pragma unroll
@@ -223,13 +200,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) attn_prefill_wgmma_kernel(co
     __syncthreads();  // every warpgroup is done with this stage before it is refilled
   }
   cp_async_wait<0>();  // no copy outlives the block (the trailing groups are empty)
-
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
-  const float inv0 = v0 ? 1.0f / l[0] : 0.0f, inv1 = v1 ? 1.0f / l[1] : 0.0f;
+  float inv0, inv1;
+  row_normalisers(l, v0, v1, inv0, inv1);
   bf16* out0 = p.a.out + static_cast<int64_t>(tok0) * p.a.ld_out + static_cast<int64_t>(h0) * DV;
   bf16* out1 = p.a.out + static_cast<int64_t>(tok1) * p.a.ld_out + static_cast<int64_t>(h1) * DV;
 #pragma unroll
