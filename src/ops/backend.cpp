@@ -28,6 +28,27 @@ void Backend::linear_parts(const Tensor&, const LinearWeight&, const std::vector
 
 LinearWeight Backend::fuse_linear_rows(const std::vector<const LinearWeight*>&) { return {}; }
 
+void check_sample_rows(const std::vector<SampleRow>& rows, int vocab, int penalty_slots, int penalty_vocab) {
+  std::vector<char> taken(penalty_slots > 0 ? penalty_slots : 0, 0);
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const SampleRow& row = rows[r];
+    MOELORA_CHECK_MSG(row.logprobs >= 0 && row.logprobs <= kMaxTopLogprobs, "sample row {}: logprobs {} (0 to {})", r,
+                      row.logprobs, kMaxTopLogprobs);
+    for (size_t i = 0; i < row.edits.size(); ++i) {
+      const int32_t t = row.edits[i].token;
+      MOELORA_CHECK_MSG(t >= 0 && t < vocab && (i == 0 || row.edits[i - 1].token < t),
+                        "sample row {}: edit {} is token {}; edits are sorted by token, one per token, below {}", r, i, t,
+                        vocab);
+    }
+    const int s = row.penalty_slot;
+    if (s < 0) continue;
+    MOELORA_CHECK_MSG(s < penalty_slots && vocab == penalty_vocab, "sample row {}: penalty slot {} of {} (vocab {} vs {})",
+                      r, s, penalty_slots, vocab, penalty_vocab);
+    MOELORA_CHECK_MSG(!taken[s], "sample rows share penalty slot {}", s);
+    taken[s] = 1;
+  }
+}
+
 void check_mla_absorbed_shapes(int step_tokens, const Tensor& q, const Tensor& latent, const Tensor& k_pe,
                                const LinearWeight& kv_b, const LoraModuleTable* kv_b_lora, const KvLayer& kv,
                                int heads, int nope, int v_dim, const Tensor& out) {

@@ -302,6 +302,12 @@ class Backend {
 // q [T, heads*(nope+rope)], latent [T, R], k_pe [T, rope], out [T, heads*v_dim] with T the step's
 // tokens; kv_b [heads*(nope+v_dim), R] and its LoRA table the same; the latent cache (1 head of
 // R + rope values, no V). A mismatch is a broken invariant (MOELORA_CHECK), not bad input.
+// Backend::sample's preconditions, checked by every backend: logprobs in [0, kMaxTopLogprobs];
+// edits sorted by token, one per token, inside the vocabulary; penalty slots below
+// `penalty_slots`, with the slots' vocabulary, and no slot in two rows of a call (the device counts
+// a drawn token into its slot with a plain read-modify-write).
+void check_sample_rows(const std::vector<SampleRow>& rows, int vocab, int penalty_slots, int penalty_vocab);
+
 void check_mla_absorbed_shapes(int step_tokens, const Tensor& q, const Tensor& latent, const Tensor& k_pe,
                                const LinearWeight& kv_b, const LoraModuleTable* kv_b_lora, const KvLayer& kv,
                                int heads, int nope, int v_dim, const Tensor& out);

@@ -272,12 +272,16 @@ TEST(SamplePenaltySlots, SameTokensAsTheCpuBackendEveryStep) {
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < 50 + 10 * r; ++i) tokens[r].push_back(rng.integer(0, 199));  // repeats: strong counts
     for (Backend* b : std::vector<Backend*>{&gpu, &cpu}) {
-      b->penalty_reset(3, {1, 2, 3}, 3);  // replaced by the next reset of slot 3 before any sample
+      // Replaced by the next reset of slot 3 before any sample: counted as generated tokens, which row
+      // 3's frequency and presence penalties read, so applying both resets would change its tokens.
+      b->penalty_reset(3, {1, 2, 3}, 0);
       for (int r = 0; r < 4; ++r) b->penalty_reset(slot_of[r], tokens[r], 40);
     }
     for (int step = 0; step < steps; ++step) {
-      if (step == 10)  // slot 1 starts over with its row's whole context
+      if (step == 10) {  // slot 1 starts over with a shorter context than it counted: a lost reset shows
+        tokens[1].resize(45);
         for (Backend* b : std::vector<Backend*>{&gpu, &cpu}) b->penalty_reset(1, tokens[1], 40);
+      }
       std::vector<float> x = make_logits(rng, R, V, V);
       for (int r = 0; r < R; ++r)
         for (int t = 0; t < 200; ++t) x[static_cast<size_t>(r) * V + t] += 4.0f;  // the contexts' tokens compete

@@ -328,6 +328,7 @@ void CpuBackend::mla_attention_absorbed(const Tensor& q, const Tensor& latent, c
 std::vector<SampleOutput> CpuBackend::sample(const Tensor& logits, const std::vector<SampleRow>& rows) {
   MOELORA_CHECK(logits.dtype() == DType::kF32 && logits.rows() == static_cast<int64_t>(rows.size()));
   const int V = static_cast<int>(logits.cols());
+  check_sample_rows(rows, V, penalty_slots_, penalty_vocab_);
   bool slots = false;
   for (const SampleRow& r : rows) slots = slots || r.penalty_slot >= 0;
   if (!slots) return cpu::sample(logits.ptr<float>(), logits.ld(), V, rows);
@@ -336,8 +337,6 @@ std::vector<SampleOutput> CpuBackend::sample(const Tensor& logits, const std::ve
   std::vector<SampleRow> expanded(rows);
   for (SampleRow& r : expanded) {
     if (r.penalty_slot < 0) continue;
-    MOELORA_CHECK_MSG(r.penalty_slot < penalty_slots_ && V == penalty_vocab_, "penalty slot {} of {} (vocab {} vs {})",
-                      r.penalty_slot, penalty_slots_, V, penalty_vocab_);
     r.edits = penalty_slot_edits(r, penalty_cells_.data() + static_cast<size_t>(r.penalty_slot) * V, V);
   }
   std::vector<SampleOutput> out = cpu::sample(logits.ptr<float>(), logits.ld(), V, expanded);

@@ -359,6 +359,8 @@ void CudaBackend::rotary_attention(Tensor q_and_k, const Tensor& v, int heads, i
                                    KvLayer& kv, float scale, Tensor out) {
   const Tensor q = q_and_k.slice_cols(0, int64_t{heads} * head_dim);
   const Tensor k = q_and_k.slice_cols(int64_t{heads} * head_dim, int64_t{kv_heads} * head_dim);
+  MOELORA_CHECK_MSG(q_and_k.cols() == int64_t{heads + kv_heads} * head_dim, "rotary_attention: q|k {} for {} + {} heads of {}",
+                    q_and_k.shape_string(), heads, kv_heads, head_dim);
   const bool norms = q_norm.defined();
   const bool fused_pass = norms ? cuda::head_norm_rope_supported(head_dim, rope.rot_dim, rope.interleaved)
                                 : rope.rot_dim == head_dim;

@@ -34,7 +34,7 @@ void CudaBackend::reserve_penalty_slots(int n, int vocab) {
   if (n == 0) return;
   const size_t bytes = static_cast<size_t>(n) * vocab * sizeof(uint32_t);
   MOELORA_CUDA_CHECK(cudaMalloc(&s.penalty_cells, bytes));
-  MOELORA_CUDA_CHECK(cudaMemset(s.penalty_cells, 0, bytes));
+  MOELORA_CUDA_CHECK(cudaMemsetAsync(s.penalty_cells, 0, bytes, main_));  // ordered before every sampler kernel
 }
 
 int CudaBackend::penalty_slots() const { return sampler_ ? sampler_->penalty_slots : 0; }
@@ -87,21 +87,16 @@ std::vector<SampleOutput> CudaBackend::sample(const Tensor& logits, const std::v
   if (!sampler_) sampler_ = std::make_unique<Sampler>();
   Sampler& s = *sampler_;
   const int V = static_cast<int>(logits.cols());
+  check_sample_rows(rows, V, s.penalty_slots, s.penalty_vocab);
   apply_penalty_resets();
   bool penalised = false;
-  for (const SampleRow& r : rows) {
-    MOELORA_CHECK_MSG(r.penalty_slot < s.penalty_slots && (r.penalty_slot < 0 || V == s.penalty_vocab),
-                      "penalty slot {} of {} (vocab {} vs {})", r.penalty_slot, s.penalty_slots, V, s.penalty_vocab);
-    penalised = penalised || r.penalty_slot >= 0;
-  }
+  for (const SampleRow& r : rows) penalised = penalised || r.penalty_slot >= 0;
 
   // Layout of the upload: rows | processed-row map | edits | edit rows.
   int num_processed = 0;
   size_t num_edits = 0;
-  for (const SampleRow& r : rows) {
-    MOELORA_CHECK(r.logprobs >= 0 && r.logprobs <= kMaxTopLogprobs);
+  for (const SampleRow& r : rows)
     if (r.has_processing()) ++num_processed, num_edits += r.edits.size();
-  }
   const size_t off_rows = 0;
   const size_t off_prow = align16(off_rows + R * sizeof(cuda::DeviceSampleRow));
   const size_t off_edits = align16(off_prow + num_processed * sizeof(int32_t));

@@ -79,7 +79,7 @@ AttentionDecodeSplit choose_attention_decode_split(int T, int kv_heads, int grou
   const int want = static_cast<int>(std::max<int64_t>(1, (2 * static_cast<int64_t>(num_sms) + per_split - 1) / per_split));
   const int longest = (std::max(1, max_positions) + kAttentionMinSplitPositions - 1) / kAttentionMinSplitPositions;
   AttentionDecodeSplit s;
-  s.max_splits = std::max(1, std::min(want, longest));
+  s.max_splits = std::clamp(std::min(want, longest), 1, kAttentionMaxSplits);
   // Pipeline depth: 2 stages let 3 blocks share an SM at Qwen3's 128-value heads, 3 stages only 2.
   // Which wins is wave quantisation (bench/RESULTS.md, decode attention 2026-12-04: 384 blocks ran
   // 23 % faster at 2 stages (0.97 waves of 3 per SM against 1.45 of 2), 512 blocks 8-17 % faster at

@@ -88,6 +88,9 @@ inline int attention_prefill_rows(AttentionPrefillKernel k) {
 // length (`attention_token_split`), so a graph captured with the largest grid still spreads a short
 // context over the blocks it launches.
 constexpr int kAttentionMinSplitPositions = 128;
+// At most this many splits (the combine kernel keeps one weight per split in shared memory); the
+// plan's "fill the GPU twice" rule asks for at most 2 x num_sms.
+constexpr int kAttentionMaxSplits = 512;
 // Query heads of one KV head that a block takes: 8 (one MMA column tile) or 16.
 inline int attention_decode_heads_per_block(int group) { return group <= 8 ? 8 : 16; }
 // Dynamic shared memory of a decode block: 4 warps x `stages` tiles of 16 positions of K and V in

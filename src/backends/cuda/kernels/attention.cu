@@ -157,25 +157,59 @@ struct Attn {
   }
 };
 
+// Merges a (token, head)'s decode splits, each (o normalised by its own sum [DV], max, sum) in f32:
+// out = sum_s o_s w_s / sum_s w_s with w_s = sum_s * 2^(max_s - M), M the largest max. The weights
+// are taken once, one split per thread, into shared memory; then each thread sums its columns over
+// the splits in split order with kCombineUnroll loads in flight (the per-thread serial loops this
+// replaced read every split's max and sum again for each column and waited for memory once per
+// split).
+constexpr int kCombineThreads = 128;
+constexpr int kCombineUnroll = 4;
+
+__device__ __forceinline__ float block_combine(float v, float* red, bool is_max) {
+  v = is_max ? warp_max(v) : warp_sum(v);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float r = red[0];
+#pragma unroll
+  for (int w = 1; w < kCombineThreads / 32; ++w) r = is_max ? fmaxf(r, red[w]) : r + red[w];
+  __syncthreads();  // red is free again
+  return r;
+}
+
 template <int DV>
-__global__ void attn_combine_kernel(const __grid_constant__ KParams p) {
+__global__ void __launch_bounds__(kCombineThreads) attn_combine_kernel(const __grid_constant__ KParams p) {
   pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
   pdl_trigger();
+  __shared__ float w_split[cuda_plan::kAttentionMaxSplits];
+  __shared__ float red[kCombineThreads / 32];
   const int tok = blockIdx.x / p.a.heads, h = blockIdx.x % p.a.heads;
   const int n = p.a.positions[tok] + 1;
   const int ns = cuda_plan::attention_token_split(n, p.max_splits).count;
   const float* base = p.ws + (static_cast<int64_t>(tok) * p.a.heads + h) * p.max_splits * (DV + 2);
   float M = -INFINITY;
-  for (int s = 0; s < ns; ++s) M = fmaxf(M, base[s * (DV + 2) + DV]);
+  for (int s = threadIdx.x; s < ns; s += kCombineThreads) M = fmaxf(M, base[s * (DV + 2) + DV]);
+  M = block_combine(M, red, true);
   float W = 0.0f;
-  for (int s = 0; s < ns; ++s) W += base[s * (DV + 2) + DV + 1] * exp2f(base[s * (DV + 2) + DV] - M);
-  for (int col = threadIdx.x; col < DV; col += blockDim.x) {
+  for (int s = threadIdx.x; s < ns; s += kCombineThreads) {
+    const float w = base[s * (DV + 2) + DV + 1] * exp2f(base[s * (DV + 2) + DV] - M);
+    w_split[s] = w;
+    W += w;
+  }
+  W = block_combine(W, red, false);  // its barrier also publishes w_split
+  const float inv_w = 1.0f / W;
+  for (int col = threadIdx.x; col < DV; col += kCombineThreads) {
     float acc = 0.0f;
-    for (int s = 0; s < ns; ++s) {
-      const float* b = base + s * (DV + 2);
-      acc += b[col] * b[DV + 1] * exp2f(b[DV] - M);
+    int s = 0;
+    for (; s + kCombineUnroll <= ns; s += kCombineUnroll) {
+      float b[kCombineUnroll];
+#pragma unroll
+      for (int u = 0; u < kCombineUnroll; ++u) b[u] = base[(s + u) * (DV + 2) + col];
+#pragma unroll
+      for (int u = 0; u < kCombineUnroll; ++u) acc = fmaf(b[u], w_split[s + u], acc);
     }
-    p.a.out[static_cast<int64_t>(tok) * p.a.ld_out + static_cast<int64_t>(h) * DV + col] = __float2bfloat16(acc / W);
+    for (; s < ns; ++s) acc = fmaf(base[s * (DV + 2) + col], w_split[s], acc);
+    p.a.out[static_cast<int64_t>(tok) * p.a.ld_out + static_cast<int64_t>(h) * DV + col] = __float2bfloat16(acc * inv_w);
   }
 }
 
@@ -267,7 +301,8 @@ void launch_dims(const KParams& k, const AttentionPlan& plan, cudaStream_t strea
     attention_prepare();
     launch_decode<DK, DV>(k, stream);
     if (plan.max_splits > 1) {
-      launch_pdl(attn_combine_kernel<DV>, dim3(a.T * a.heads), dim3(128), 0, stream, k);
+      MOELORA_CHECK_MSG(plan.max_splits <= cuda_plan::kAttentionMaxSplits, "attention: {} decode splits", plan.max_splits);
+      launch_pdl(attn_combine_kernel<DV>, dim3(a.T * a.heads), dim3(kCombineThreads), 0, stream, k);
       MOELORA_CUDA_CHECK_LAUNCH();
     }
   } else {

@@ -54,16 +54,28 @@ struct PrefillTile {
   static constexpr int kSmem = 1024 + kStages * kStageBytes;  // + slack to align the ring to 1024
 };
 
-// Copies the D head dims of positions p0..p0+63 (those < end) of kv head kvh from `cache` into one
-// tile: this thread takes position p0 + tid / 4 and its pieces q = tid % 4 + 4i.
-template <int D>
-__device__ __forceinline__ void load_tile_part(const KParams& p, const bf16* cache, uint8_t* dst, int seq_base, int kvh,
-                                               int p0, int end, int tid) {
-  const int j = tid >> 2, sub = tid & 3;
-  const int pos = p0 + j;
+// This thread's position of a tile (p0 + tid / 4; positions at or past `end` are zero-filled) and
+// its cache row: one page-table read per position, by its first thread, shared with the other three.
+struct TileRow {
+  bool ok;
+  int64_t row;
+};
+__device__ __forceinline__ TileRow tile_row(const KParams& p, int seq_base, int p0, int end, int tid) {
+  const int pos = p0 + (tid >> 2);
   const bool ok = pos < end;
-  const int64_t row = ok ? cache_row(p, seq_base, pos) : 0;
-  const bf16* src = cache + row * (static_cast<int64_t>(p.a.kv_heads) * D) + static_cast<int64_t>(kvh) * D;
+  int64_t row = ok && (tid & 3) == 0 ? cache_row(p, seq_base, pos) : 0;
+  row = __shfl_sync(0xffffffffu, row, (tid & 31) & ~3);
+  return TileRow{ok, row};
+}
+
+// Copies the D head dims of kv head kvh of this thread's position (tile_row) from `cache` into one
+// tile: position j = tid / 4, pieces q = tid % 4 + 4i.
+template <int D>
+__device__ __forceinline__ void load_tile_part(const KParams& p, const bf16* cache, uint8_t* dst, TileRow tr, int kvh,
+                                               int tid) {
+  const int j = tid >> 2, sub = tid & 3;
+  const bool ok = tr.ok;
+  const bf16* src = cache + tr.row * (static_cast<int64_t>(p.a.kv_heads) * D) + static_cast<int64_t>(kvh) * D;
 #pragma unroll
   for (int i = 0; i < D / 32; ++i) {
     const int q = sub + 4 * i;  // 16-byte piece of the row: 8 head dims
@@ -125,8 +137,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) attn_prefill_wgmma_kernel(co
 
   auto load = [&](int tile) {
     uint8_t* st = ring + (tile % kStages) * C::kStageBytes;
-    load_tile_part<DK>(p, p.a.k_cache, st, seq_base, kvh, tile * kTileKeys, block_end, tid);
-    load_tile_part<DV>(p, p.a.v_cache, st + C::kKBytes, seq_base, kvh, tile * kTileKeys, block_end, tid);
+    const TileRow tr = tile_row(p, seq_base, tile * kTileKeys, block_end, tid);
+    load_tile_part<DK>(p, p.a.k_cache, st, tr, kvh, tid);
+    load_tile_part<DV>(p, p.a.v_cache, st + C::kKBytes, tr, kvh, tid);
   };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -153,12 +166,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1) attn_prefill_wgmma_kernel(co
       const uint32_t k_s = smem_u32(ring + (tile % kStages) * C::kStageBytes);
       const uint32_t v_s = k_s + C::kKBytes;
       float s[32];
+      fence_operands(s);
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < DK / 16; ++ks)
         Wgmma<64>::mma(s, qa[ks], desc_sw128(k_s + (ks >> 2) * C::kColBytes + (ks & 3) * 32), ks > 0);
       wgmma_commit();
       wgmma_wait0();
+      fence_operands(s);
       // s[4j + e]: row g + 8 (e / 2), position p0 + 8j + 2t + e % 2.
       float(&sj)[8][4] = reinterpret_cast<float(&)[8][4]>(s);
 #pragma unroll
@@ -188,6 +203,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) attn_prefill_wgmma_kernel(co
         pa[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
         pa[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
       }
+#pragma unroll
+      for (int c = 0; c < DV / 64; ++c) fence_operands(o[c]);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) fence_operands(pa[kk]);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
@@ -196,6 +215,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) attn_prefill_wgmma_kernel(co
           Wgmma<64, 1>::mma(o[c], pa[kk], desc_mn_sw128(v_s + c * C::kColBytes + kk * 16 * 128, C::kColBytes), 1);
       wgmma_commit();
       wgmma_wait0();
+#pragma unroll
+      for (int c = 0; c < DV / 64; ++c) fence_operands(o[c]);
     }
     __syncthreads();  // every warpgroup is done with this stage before it is refilled
   }

@@ -414,7 +414,7 @@ static void check_cache_write(const KvCacheWrite& c, const char* op) {
 void launch_rope(const RopeParams& p, cudaStream_t stream) {
   MOELORA_CHECK(p.rot_dim % 2 == 0 && p.rot_offset + p.rot_dim <= p.head_stride);
   check_cache_write(p.cache, "rope");
-  MOELORA_CHECK_MSG(!p.cache.k_cache || (p.rot_offset == 0 && p.rot_dim == p.head_stride && p.kv_first_head >= 0 &&
+  MOELORA_CHECK_MSG(!p.cache.k_cache || (p.rot_offset == 0 && p.rot_dim == p.head_stride && p.kv_first_head > 0 &&
                                          p.kv_first_head < p.heads),
                     "rope: the cache write needs whole heads rotated and kv heads after the q heads");
   if (p.T == 0 || p.rot_dim == 0) return;

@@ -370,8 +370,9 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
   d.lora_delta = nullptr;
   d.act = nullptr;
   d.y = ws.y;
-  // Its stream predecessor is one of our kernels (gate_up, or the down LoRA expand on one stream),
-  // which triggers only after its own wait: moe_align is complete when down starts early.
+  // Its stream predecessor is one of our kernels (gate_up, or on one stream the down LoRA expand or,
+  // with the expand inside moe_reduce, the down shrink), which triggers only after its own wait:
+  // moe_align is complete when down starts early.
   d.pdl = pdl;
   d.early_prefetch = pdl;
   moe_down(d, M);

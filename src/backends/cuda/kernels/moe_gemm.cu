@@ -570,7 +570,7 @@ __device__ __forceinline__ void load_cols(const float* p, float (&v)[COLS]) {
 // COLS consecutive columns per thread; the sum over j runs in the same order for every COLS, so
 // the bits do not depend on the variant.
 template <int COLS, bool LORA_IN>
-__global__ void __launch_bounds__(kReduceThreads) moe_reduce_kernel(const __grid_constant__ MoeReduceParams p) {
+__global__ void __launch_bounds__(LORA_IN ? kReduceLoraThreads : kReduceThreads) moe_reduce_kernel(const __grid_constant__ MoeReduceParams p) {
   pdl_wait();
   pdl_trigger();
   const int HC = p.H / COLS;

@@ -239,6 +239,8 @@ __global__ void __maxnreg__(BN == 64 ? 168 : 96) moe_gemm_wgmma_kernel(const __g
   if (warp == kConsumerWarps) {
     // ---- Producer warp: weight tiles by TMA (one lane), the tile's token rows by cp.async (all lanes).
     if (lane == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&wp.w_map)) : "memory");
+    if constexpr (C::kW4)  // the group scales' map, read by the first stage too
+      if (lane == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&wp.s_map)) : "memory");
     const int rows_per_expert = GATE_UP ? 2 * p.I : p.H;
     int stage = 0;
     uint32_t phase = 0;

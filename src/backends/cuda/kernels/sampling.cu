@@ -495,8 +495,10 @@ __global__ void __launch_bounds__(256) penalty_commit_kernel(const DeviceSampleR
                                                              int num_rows, uint32_t* cells, int vocab) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= num_rows || rows[r].penalty_slot < 0) return;
-  uint32_t& cell = cells[static_cast<int64_t>(rows[r].penalty_slot) * vocab + out[r].token];
-  cell = penalty_count(cell, /*generated=*/true);  // rows never share a slot
+  const int token = out[r].token;
+  if (token < 0 || token >= vocab) return;  // never (the sampler draws inside the row); no stray write if it did
+  uint32_t& cell = cells[static_cast<int64_t>(rows[r].penalty_slot) * vocab + token];
+  cell = penalty_count(cell, /*generated=*/true);  // rows never share a slot (check_sample_rows)
 }
 
 __global__ void __launch_bounds__(256) penalty_scatter_kernel(uint32_t* cells, int vocab, const int32_t* tokens,
