@@ -25,7 +25,8 @@
 #            LoRA epilogue, then `dev_lora_dense ingemm`, verify and the decode step with
 #            `--dense-lora-in-gemm`, `dev_moe_bench lora` and `nvfp4` (checked bit for bit / vs the
 #            CPU, timed); from the eleventh session the wgmma prefill attention (op cases, memcheck,
-#            racecheck, dev_attention's prefill rows) and the KV write in the rotation pass (op
+#            racecheck, dev_attention's prefill rows), the decode split combine (every attention
+#            op case: it is on the default path) and the KV write in the rotation pass (op
 #            cases, the decode step with --kv-write-in-head-pass)
 #   lora     `dev_moe_bench lora`: the LoRA expands inside the base kernels (gate_up in the GEMM's
 #            epilogue, down in moe_reduce) vs their own kernels, bit for bit, then timed with 1 and 8
@@ -245,7 +246,7 @@ PY
     grep -v "ok$" $out/moe_bench_lora.log ;;
   unrun)
     echo "== op suite: the code written without a GPU (down LoRA in moe_reduce, NVFP4 wgmma, penalty slots, wgmma prefill attention)"
-    run_sharded 'Moe*LORA*:Moe*nvfp4*:MoeSanitize*:SamplePenaltySlots*:Sample/*edits*:DenseLoraEpilogue*:*Attn*wgmma*:HeadPass*:*ROPE_KV*' op_suite_unrun 240
+    run_sharded 'Moe*LORA*:Moe*nvfp4*:MoeSanitize*:SamplePenaltySlots*:Sample/*edits*:DenseLoraEpilogue*:*Attn*:HeadPass*:*ROPE_KV*' op_suite_unrun 240
     echo "== wgmma prefill attention: memcheck and racecheck on its sanitize case, then the workbench's prefill rows"
     for tool in memcheck racecheck; do
       timeout 120 compute-sanitizer --tool $tool --error-exitcode 3 ./.device/moelora_op_suite --gtest_filter='SanitizeAttn*wgmma*' \
