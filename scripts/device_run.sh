@@ -19,7 +19,9 @@
 #   moeops   the MoE op-suite cases only (every kernel of the MoE layer vs the CPU reference)
 #   loraprof every kernel of one MoE layer with and without 8 LoRA adapters at 1 and 64 tokens (ncu
 #            durations, kernels alone): where issue 10's LoRA tax goes
-#   unrun, unrunstep, unrunnvfp4 (one call each: together they overrun one call's 10 minutes)
+#   unrun, unrunstep, unrunmoe (one call each: together they overrun one call's 10 minutes; unrun
+#            = op cases, sanitizers, dev_attention prefill; unrunstep = verify and the decode step
+#            with the new flags; unrunmoe = the dense LoRA and MoE workbenches)
 #            first run of what the 2026-12-05 tenth session wrote without a GPU: the op cases of the
 #            down LoRA expand in moe_reduce, NVFP4 on the wgmma GEMM, the penalty slots and the dense
 #            LoRA epilogue, then `dev_lora_dense ingemm`, verify and the decode step with
@@ -254,12 +256,7 @@ PY
     done
     timeout 200 ./.device/dev_attention prefill > $out/attention_prefill_wgmma.log 2>&1; echo "exit $?"
     sed -n '/# prefill/,$p' $out/attention_prefill_wgmma.log
-    echo "== dense LoRA inside the small-M GEMM vs GEMM + segmented kernel"
-    timeout 120 ./.device/dev_lora_dense ingemm > $out/lora_dense_ingemm.log 2>&1; echo "exit $?"
-    grep -v "^#" $out/lora_dense_ingemm.log
-    echo "== MoE workbench (LoRA)"
-    timeout 200 ./.device/dev_moe_bench lora > $out/moe_bench_lora.log 2>&1; echo "exit $?"
-    grep -v "ok$" $out/moe_bench_lora.log ;;
+    ;;
   unrunstep)
     for mode in "" "--no-graphs"; do  # the engine's step with it, end to end on the fixtures
       log=$out/verify_cuda_dense_lora_in_gemm${mode//-/_}.log
@@ -275,7 +272,13 @@ PY
       timeout 120 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8 --adapters 0,8 \
         --rank 16 --iters 10 --json $out/bench_records_unrun.jsonl $flag 2>&1 | grep -v "^\["
     done ;;
-  unrunnvfp4)
+  unrunmoe)
+    echo "== dense LoRA inside the small-M GEMM vs GEMM + segmented kernel"
+    timeout 120 ./.device/dev_lora_dense ingemm > $out/lora_dense_ingemm.log 2>&1; echo "exit $?"
+    grep -v "^#" $out/lora_dense_ingemm.log
+    echo "== MoE workbench (LoRA)"
+    timeout 200 ./.device/dev_moe_bench lora > $out/moe_bench_lora.log 2>&1; echo "exit $?"
+    grep -v "ok$" $out/moe_bench_lora.log
     echo "== MoE workbench (NVFP4)"
     timeout 300 ./.device/dev_moe_bench nvfp4 > $out/nvfp4_moe_bench.log 2>&1; echo "exit $?"
     grep -v "^check.* ok$" $out/nvfp4_moe_bench.log ;;
