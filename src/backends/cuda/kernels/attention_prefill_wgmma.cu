@@ -29,6 +29,7 @@
 #include "backends/cuda/cuda_utils.cuh"
 #include "backends/cuda/kernels/attention_internal.cuh"
 #include "backends/cuda/kernels/wgmma.cuh"
+#include "backends/cuda_plan/sw128_layout.h"
 
 namespace moelora::cuda::attention_detail {
 namespace {
@@ -47,7 +48,7 @@ static_assert(kBlockThreads == kTileKeys * 4, "the loader gives each position 4 
 template <int DK, int DV>
 struct PrefillTile {
   static_assert(DK % 64 == 0 && DV % 64 == 0, "64-wide swizzle columns");
-  static constexpr int kColBytes = kTileKeys * 128;  // one 64-wide column of a tile: 64 rows x 128 bytes
+  static constexpr int kColBytes = kTileKeys * cuda_plan::kSw128RowBytes;  // one 64-wide column: 64 rows x 128 bytes
   static constexpr int kKBytes = (DK / 64) * kColBytes;
   static constexpr int kVBytes = (DV / 64) * kColBytes;
   static constexpr int kStageBytes = kKBytes + kVBytes;
@@ -79,7 +80,7 @@ __device__ __forceinline__ void load_tile_part(const KParams& p, const bf16* cac
 #pragma unroll
   for (int i = 0; i < D / 32; ++i) {
     const int q = sub + 4 * i;  // 16-byte piece of the row: 8 head dims
-    uint8_t* d = dst + (q >> 3) * (kTileKeys * 128) + j * 128 + (((q & 7) ^ (j & 7)) << 4);
+    uint8_t* d = dst + cuda_plan::sw128_piece_offset(kTileKeys, j, q);
     cp_async<16>(d, src + q * 8, ok);
   }
 }

@@ -2,7 +2,8 @@
 // the bf16 MMAs with A in registers, shared by the grouped expert GEMM (moe_gemm_wgmma.cu) and the
 // prefill attention (attention_prefill_wgmma.cu). Both write their shared-memory operands in the
 // 128-byte swizzle: 8-row atoms of 128-byte rows (1024 bytes, 1024-aligned), 16-byte unit u of
-// row r stored at unit u ^ (r % 8).
+// row r stored at unit u ^ (r % 8) (cuda_plan/sw128_layout.h states it and what these descriptors
+// read; tests/cuda_plan checks the two against each other).
 #pragma once
 
 #include <cuda_runtime.h>
