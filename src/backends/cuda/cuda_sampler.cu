@@ -63,20 +63,20 @@ void CudaBackend::penalty_reset(int slot, const std::vector<int32_t>& tokens, in
 void CudaBackend::apply_penalty_resets() {
   Sampler& s = *sampler_;
   if (s.reset_slots.empty()) return;
-  const size_t V = static_cast<size_t>(s.penalty_vocab);
-  for (int slot : s.reset_slots)
-    MOELORA_CUDA_CHECK(cudaMemsetAsync(s.penalty_cells + slot * V, 0, V * sizeof(uint32_t), main_));
-  const size_t n = s.reset_tokens.size(), half = align16(n * sizeof(int32_t));
-  if (n > 0) {
-    s.reset.reserve(2 * half);
-    char* h = static_cast<char*>(s.reset.host);
-    std::memcpy(h, s.reset_tokens.data(), n * sizeof(int32_t));
-    std::memcpy(h + half, s.reset_slot_gen.data(), n * sizeof(int32_t));
-    char* d = static_cast<char*>(s.reset.dev);
-    MOELORA_CUDA_CHECK(cudaMemcpyAsync(d, h, 2 * half, cudaMemcpyHostToDevice, main_));
-    cuda::launch_penalty_scatter(s.penalty_cells, s.penalty_vocab, reinterpret_cast<const int32_t*>(d),
-                                 reinterpret_cast<const int32_t*>(d + half), static_cast<int>(n), main_);
-  }
+  // One upload (slots | tokens | their slot and generated bit) and one clear + one scatter launch,
+  // however many sequences took a slot this step.
+  const size_t n = s.reset_tokens.size(), ns = s.reset_slots.size();
+  const size_t slot_bytes = align16(ns * sizeof(int32_t)), half = align16(n * sizeof(int32_t));
+  s.reset.reserve(slot_bytes + 2 * half);
+  char* h = static_cast<char*>(s.reset.host);
+  std::memcpy(h, s.reset_slots.data(), ns * sizeof(int32_t));
+  std::memcpy(h + slot_bytes, s.reset_tokens.data(), n * sizeof(int32_t));
+  std::memcpy(h + slot_bytes + half, s.reset_slot_gen.data(), n * sizeof(int32_t));
+  char* d = static_cast<char*>(s.reset.dev);
+  MOELORA_CUDA_CHECK(cudaMemcpyAsync(d, h, slot_bytes + 2 * half, cudaMemcpyHostToDevice, main_));
+  cuda::launch_penalty_reset(s.penalty_cells, s.penalty_vocab, reinterpret_cast<const int32_t*>(d), static_cast<int>(ns),
+                             reinterpret_cast<const int32_t*>(d + slot_bytes),
+                             reinterpret_cast<const int32_t*>(d + slot_bytes + half), static_cast<int>(n), main_);
   s.reset_slots.clear(), s.reset_tokens.clear(), s.reset_slot_gen.clear();
 }
 

@@ -501,6 +501,12 @@ __global__ void __launch_bounds__(256) penalty_commit_kernel(const DeviceSampleR
   cell = penalty_count(cell, /*generated=*/true);  // rows never share a slot (check_sample_rows)
 }
 
+// Block (x, s): cells x * 1024 .. of slot slots[s], 4 per thread.
+__global__ void __launch_bounds__(256) penalty_clear_kernel(uint32_t* cells, int vocab, const int32_t* slots) {
+  uint32_t* slot = cells + static_cast<int64_t>(slots[blockIdx.y]) * vocab;
+  for (int i = blockIdx.x * 1024 + threadIdx.x, e = min(vocab, (blockIdx.x + 1) * 1024); i < e; i += 256) slot[i] = 0u;
+}
+
 __global__ void __launch_bounds__(256) penalty_scatter_kernel(uint32_t* cells, int vocab, const int32_t* tokens,
                                                               const int32_t* slot_gen, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -738,8 +744,13 @@ void launch_penalty_commit(const DeviceSampleRow* rows, const DeviceSampleResult
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 
-void launch_penalty_scatter(uint32_t* cells, int vocab, const int32_t* tokens, const int32_t* slot_gen, int n,
-                            cudaStream_t stream) {
+void launch_penalty_reset(uint32_t* cells, int vocab, const int32_t* slots, int num_slots, const int32_t* tokens,
+                          const int32_t* slot_gen, int n, cudaStream_t stream) {
+  MOELORA_CHECK(num_slots >= 0 && num_slots <= 65535 && vocab > 0);
+  if (num_slots > 0) {
+    penalty_clear_kernel<<<dim3((vocab + 1023) / 1024, num_slots), 256, 0, stream>>>(cells, vocab, slots);
+    MOELORA_CUDA_CHECK_LAUNCH();
+  }
   if (n <= 0) return;
   penalty_scatter_kernel<<<(n + 255) / 256, 256, 0, stream>>>(cells, vocab, tokens, slot_gen, n);
   MOELORA_CUDA_CHECK_LAUNCH();

@@ -59,11 +59,12 @@ void launch_process_logits(const ProcessParams& p, cudaStream_t stream);
 // (penalty_count(cell, true)). `cells` [slots, vocab].
 void launch_penalty_commit(const DeviceSampleRow* rows, const DeviceSampleResult* out, int num_rows,
                            uint32_t* cells, int vocab, cudaStream_t stream);
-// Backend::penalty_reset of several slots at once: the caller zeroes each slot first; then token i
-// (tokens[i], in slot slot_gen[i] >> 1, generated when slot_gen[i] & 1) is counted. Counts are sums
-// of integers: the order of the threads does not matter.
-void launch_penalty_scatter(uint32_t* cells, int vocab, const int32_t* tokens, const int32_t* slot_gen, int n,
-                            cudaStream_t stream);
+// Backend::penalty_reset of several slots at once: the `num_slots` slots listed in `slots` are
+// zeroed (one launch, whatever their number), then token i (tokens[i], in slot slot_gen[i] >> 1,
+// generated when slot_gen[i] & 1) is counted. Counts are sums of integers: the order of the
+// threads does not matter.
+void launch_penalty_reset(uint32_t* cells, int vocab, const int32_t* slots, int num_slots, const int32_t* tokens,
+                          const int32_t* slot_gen, int n, cudaStream_t stream);
 
 struct SampleParams {
   const float* logits = nullptr;  // raw [rows, ld]
