@@ -312,6 +312,38 @@ TEST(SampleRowBuilder, CpuBackendPenaltySlotsSampleAsTheRecount) {
   EXPECT_EQ(backend.sample(logits, {on_slot0})[0].token, t0);
 }
 
+// Backend::sample's preconditions (check_sample_rows, shared by every backend) refuse rows that
+// would sample differently on the two backends or race on the device: unsorted or duplicated
+// edits, edits outside the vocabulary, two rows counting into one penalty slot.
+TEST(SampleRowBuilder, SampleRowsBreakingThePreconditionsAreRefused) {
+  constexpr int V = 50;
+  CpuBackend backend;
+  backend.reserve_penalty_slots(2, V);
+  Tensor logits = Tensor::empty_host(DType::kF32, {2, V});
+  std::fill(logits.ptr<float>(), logits.ptr<float>() + 2 * V, 0.0f);
+  auto edit = [](int32_t t) {
+    LogitEdit e;
+    e.token = t, e.bias = 1.0f;
+    return e;
+  };
+  std::vector<SampleRow> rows(2);
+  rows[0].edits = {edit(3), edit(9)};
+  rows[1].penalty_slot = 1;
+  EXPECT_EQ(backend.sample(logits, rows).size(), 2u);  // the valid form first
+  std::vector<SampleRow> unsorted = rows;
+  unsorted[0].edits = {edit(9), edit(3)};
+  EXPECT_DEATH(backend.sample(logits, unsorted), "edit 1 is token 3; edits are sorted by token");
+  std::vector<SampleRow> twice = rows;
+  twice[0].edits = {edit(3), edit(3)};
+  EXPECT_DEATH(backend.sample(logits, twice), "edit 1 is token 3;.*one per token");
+  std::vector<SampleRow> outside = rows;
+  outside[0].edits = {edit(3), edit(V)};
+  EXPECT_DEATH(backend.sample(logits, outside), "edit 1 is token 50;.*below 50");
+  std::vector<SampleRow> shared = rows;
+  shared[0].penalty_slot = 1;
+  EXPECT_DEATH(backend.sample(logits, shared), "share penalty slot 1");
+}
+
 TEST(SampleRowBuilder, AllowedTokensRestrictTheChoice) {
   SamplingParams p;
   p.allowed_token_ids = {3, 7};
