@@ -259,16 +259,16 @@ PY
     ;;
   unrunstep)
     for mode in "" "--no-graphs"; do  # the engine's step with it, end to end on the fixtures
-      log=$out/verify_cuda_dense_lora_in_gemm${mode//-/_}.log
-      echo "== verify cuda --dense-lora-in-gemm $mode"
-      timeout 150 $bin verify --fixtures tests/fixtures --backend cuda --dense-lora-in-gemm $mode > $log 2>&1
+      log=$out/verify_cuda_no_dense_lora_in_gemm${mode//-/_}.log
+      echo "== verify cuda --no-dense-lora-in-gemm $mode"
+      timeout 150 $bin verify --fixtures tests/fixtures --backend cuda --no-dense-lora-in-gemm $mode > $log 2>&1
       echo "exit $?"; grep "all cases" $log; tail -1 $log
     done
-    echo "== verify cuda --kv-write-in-head-pass (Mixtral's fixtures take the fused RoPE + cache write)"
-    timeout 150 $bin verify --fixtures tests/fixtures --backend cuda --kv-write-in-head-pass > $out/verify_cuda_kv_write.log 2>&1
+    echo "== verify cuda --no-kv-write-in-head-pass (the separate cache write)"
+    timeout 150 $bin verify --fixtures tests/fixtures --backend cuda --no-kv-write-in-head-pass > $out/verify_cuda_kv_write.log 2>&1
     echo "exit $?"; grep "all cases" $out/verify_cuda_kv_write.log; tail -1 $out/verify_cuda_kv_write.log
-    echo "== decode step with and without it, and with the KV write in the head pass (8 adapters)"
-    for flag in "" "--dense-lora-in-gemm" "--kv-write-in-head-pass"; do
+    echo "== decode step with the defaults and without the dense LoRA in the GEMM / the KV write in the rotation launch"
+    for flag in "" "--no-dense-lora-in-gemm" "--no-kv-write-in-head-pass"; do
       timeout 120 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8 --adapters 0,8 \
         --rank 16 --iters 10 --json $out/bench_records_unrun.jsonl $flag 2>&1 | grep -v "^\["
     done ;;

@@ -65,12 +65,12 @@ void add_cuda_backend_flags(CLI::App* cmd, BackendOptions& o) {
                 "CUDA: FP8 experts quantise activations per token per 128 channels (W8A8) where that measured "
                 "faster (2-24 tokens per expert): MoE layer 6-18 % faster at 64-256 tokens on the H200, "
                 "rows ~2-3 % less exact (docs/numerics.md)");
-  cmd->add_flag("--dense-lora-in-gemm", o.cuda_dense_lora_in_gemm,
-                "CUDA: at decode sizes (up to 8 tokens) the projections' LoRA runs inside their GEMM (a shrink, "
-                "then the GEMM's epilogue) instead of a LoRA kernel after it; not yet measured on a GPU");
-  cmd->add_flag("--kv-write-in-head-pass", o.cuda_kv_write_in_head_pass,
-                "CUDA: Qwen3-style attention writes this step's k and v into the KV cache from its head-norm + RoPE "
-                "launch (one launch fewer per layer); not yet run on a GPU");
+  cmd->add_flag("!--no-dense-lora-in-gemm", o.cuda_dense_lora_in_gemm,
+                "CUDA: run the projections' LoRA as a kernel after their GEMM at decode sizes too, instead of inside "
+                "the GEMM (a shrink, then the GEMM's epilogue; the default up to 8 tokens)");
+  cmd->add_flag("!--no-kv-write-in-head-pass", o.cuda_kv_write_in_head_pass,
+                "CUDA: write this step's k and v into the KV cache with a launch of their own before attention, "
+                "instead of from the RoPE (or head-norm + RoPE) launch");
 }
 
 }  // namespace moelora::tools

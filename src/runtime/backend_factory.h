@@ -15,8 +15,8 @@ struct BackendOptions {
   bool cuda_graphs = true;     // CUDA: replay captured decode graphs
   bool cuda_overlap = true;    // CUDA: LoRA work on a side stream
   bool cuda_moe_fp8_activations = false;  // CUDA: FP8 experts may quantise activations (W8A8)
-  bool cuda_dense_lora_in_gemm = false;   // CUDA: dense LoRA inside the small-M GEMM (decode)
-  bool cuda_kv_write_in_head_pass = false;  // CUDA: the KV cache write inside Qwen3's head-norm + RoPE launch
+  bool cuda_dense_lora_in_gemm = true;    // CUDA: dense LoRA inside the small-M GEMM (decode)
+  bool cuda_kv_write_in_head_pass = true;  // CUDA: the KV cache write inside the rotation's launch
 };
 
 Result<std::unique_ptr<Backend>> make_backend(const BackendOptions& opts);

@@ -91,7 +91,8 @@ struct EngineOptions {
   bool enable_prefix_cache = true;
   // Sequences whose penalties' counts the backend keeps (ops/sampling.h penalty slots: 4 bytes per
   // vocabulary token each); -1: the backend's default (Backend::default_penalty_slots:
-  // min(max_num_seqs, 256), but 0 on CUDA until its device half has run on a GPU). A penalised request beyond them, or on a backend without slots, sends
+  // min(max_num_seqs, 256); on CUDA too since SamplePenaltySlots passed on the H100, 2026-12-05). A
+  // penalised request beyond them, or on a backend without slots, sends
   // its counts as edits every step (same tokens, more host work).
   int penalty_slots = -1;
   std::string lora_root;          // when set, adapter paths must resolve inside it

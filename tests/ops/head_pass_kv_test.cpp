@@ -62,6 +62,7 @@ TEST_P(HeadPassKv, SameBitsAsTheCacheWriteKernel) {
   on_opts.graphs = off_opts.graphs = false;
   on_opts.arena_bytes = off_opts.arena_bytes = 64u << 20;
   on_opts.kv_write_in_head_pass = true;
+  off_opts.kv_write_in_head_pass = false;
   CudaBackend on(on_opts), off(off_opts);
   const Tensor wq_h(wq.data(), DType::kF32, {d}), wk_h(wk.data(), DType::kF32, {d});
   const Tensor wq_cpu = cpu.upload(wq_h, DType::kF32), wk_cpu = cpu.upload(wk_h, DType::kF32);

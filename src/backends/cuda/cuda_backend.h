@@ -46,15 +46,16 @@ struct CudaBackendOptions {
   // set it low to run several passes at small sizes.
   int mla_max_pass_tokens = 0;
   // Dense LoRA inside the small-M projection GEMM (CudaBackend::linear_lora_in_gemm) at decode
-  // sizes instead of the GEMM then the segmented LoRA kernel. Off: written without a GPU, to be
-  // turned on by default once measured (`--dense-lora-in-gemm` on verify / bench / serve).
-  bool dense_lora_in_gemm = false;
+  // sizes instead of the GEMM then the segmented LoRA kernel (`--no-dense-lora-in-gemm` turns it
+  // off). H100, 2026-12-05 (dev_lora_dense ingemm): q|k|v 0.59-0.71x, o_proj 0.78-0.85x the
+  // separate kernels' time up to 8 tokens (1.03x at 8 tokens x 8 adapters on o_proj); decode step
+  // with 8 adapters -2.1 % at 1 token and -2.0 % at 8 (bench/RESULTS.md).
+  bool dense_lora_in_gemm = true;
   // GQA attention after a fused q|k|v projection (Backend::rotary_attention): this step's k and v
   // go into the KV cache from the rotation's launch (Qwen3's head norm + RoPE, or RoPE alone)
-  // instead of a cache-write launch before attention.
-  // Off: written without a GPU, to be turned on by default once verify has passed with it on the
-  // H200 (`--kv-write-in-head-pass` on verify / bench / serve).
-  bool kv_write_in_head_pass = false;
+  // instead of a cache-write launch before attention (`--no-kv-write-in-head-pass` turns it off).
+  // H100, 2026-12-05: op suite and verify pass with it; decode step -0.2 to -2.3 % at 1 and 8 tokens.
+  bool kv_write_in_head_pass = true;
 };
 
 class CudaBackend final : public Backend {
@@ -132,9 +133,6 @@ class CudaBackend final : public Backend {
   void reserve_sampling(int rows, int vocab) override;
   void reserve_penalty_slots(int n, int vocab) override;
   int penalty_slots() const override;
-  // 0: the device half (kernels/sampling.cu) was written without a GPU and has not run its op test
-  // yet (2026-12-05); penalised requests send their counts as edits unless --penalty-slots asks.
-  int default_penalty_slots(int max_num_seqs) const override { return 0; }
   void penalty_reset(int slot, const std::vector<int32_t>& tokens, int prompt_len) override;
   size_t scratch_peak_bytes() const override { return arena_peak_; }
   void fit_scratch(size_t bytes) override;

@@ -98,21 +98,27 @@ __device__ void align_lora(const MoeAlignParams& p, int* smem, int* scratch) {
   int* tcnt = gtoff + NB;
   int* toff = tcnt + S;
   int* ttoff = toff + S;
+  // What each slot's ranks and A layout make of its pairs, read once from the tables into shared
+  // memory: the bucket lambdas below ran over every bucket with dependent global loads, which made
+  // this kernel 13 us slower with LoRA than without at 1 and at 64 tokens (ncu, H100, 2026-12-05).
+  constexpr int kHasLora = 1, kTokenShrink = 2, kPairShrink = 4;
+  int* slot_kind = ttoff + S;
   auto pair_bucket = [&](int i) {
     const int s = p.token_slot[i / p.k], e = p.ids[i];
-    const bool ok = s >= 0 && s < S && e >= 0 && e < E && (p.gu_rank[s] > 0 || p.d_rank[s] > 0);
+    const bool ok = s >= 0 && s < S && e >= 0 && e < E && (slot_kind[s] & kHasLora);
     return ok ? s * E + e : NB - 1;
   };
   auto token_bucket = [&](int t) {
     const int s = p.token_slot[t];
-    return (s >= 0 && s < S && p.gu_rank[s] > 0 && p.gu_a_stride[s] == 0) ? s : -1;
+    return (s >= 0 && s < S && (slot_kind[s] & kTokenShrink)) ? s : -1;
   };
   // A pair bucket feeds the gate_up shrink when its slot has a gate_up rank and per-expert A.
-  auto g_pair = [&](int b) {
-    if (b >= NB - 1) return false;
-    const int s = b / E;
-    return p.gu_rank[s] > 0 && p.gu_a_stride[s] != 0;
-  };
+  auto g_pair = [&](int b) { return b < NB - 1 && (slot_kind[b / E] & kPairShrink) != 0; };
+  for (int s = threadIdx.x; s < S; s += blockDim.x) {
+    const bool gu = p.gu_rank[s] > 0, shared_a = p.gu_a_stride[s] == 0;
+    slot_kind[s] = (gu || p.d_rank[s] > 0 ? kHasLora : 0) | (gu && shared_a ? kTokenShrink : 0) |
+                   (gu && !shared_a ? kPairShrink : 0);
+  }
   for (int b = threadIdx.x; b < NB; b += blockDim.x) cnt[b] = 0;
   for (int s = threadIdx.x; s < S; s += blockDim.x) tcnt[s] = 0;
   __syncthreads();
@@ -188,7 +194,7 @@ size_t align_smem_bytes(const MoeAlignParams& p, int threads) {
   if (p.route.logits && p.route.mode == RouterMode::kSigmoidGrouped)
     b = std::max(b, sizeof(double) * (threads / 32) * p.E);
   if (p.tiles) b = std::max(b, sizeof(int) * 4 * p.E);
-  if (p.token_slot) b = std::max(b, sizeof(int) * (4 * (size_t(p.num_slots) * p.E + 1) + 3 * p.num_slots));
+  if (p.token_slot) b = std::max(b, sizeof(int) * (4 * (size_t(p.num_slots) * p.E + 1) + 4 * p.num_slots));
   return b;
 }
 
