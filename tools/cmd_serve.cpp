@@ -373,8 +373,7 @@ void register_serve(CLI::App& app, int& exit_code) {
   cmd->add_flag("--no-prefix-cache", a->no_prefix_cache, "do not reuse the KV of common prompt prefixes");
   cmd->add_option("--penalty-slots", a->engine.penalty_slots,
                   "sequences whose repetition/frequency/presence counts stay on the backend (4 bytes per vocabulary "
-                  "token each; -1: min(--max-num-seqs, 256); 0: "
-                  "every penalised request sends its counts each step)")
+                  "token each; -1: min(--max-num-seqs, 256); 0: every penalised request sends its counts each step)")
       ->capture_default_str()
       ->check(CLI::Range(-1, 65536));
   cmd->add_option("--max-queued-requests", a->engine.max_waiting, "waiting requests beyond which new ones get 429")

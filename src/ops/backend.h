@@ -270,9 +270,6 @@ class Backend {
   // each token i. Ordered with sample() as calls on the engine thread are.
   virtual void reserve_penalty_slots(int n, int vocab) {}
   virtual int penalty_slots() const { return 0; }
-  // How many slots to reserve when the operator leaves it to the backend (--penalty-slots -1):
-  // one per running sequence, up to 256 (0.6 MiB each at a 152k vocabulary).
-  virtual int default_penalty_slots(int max_num_seqs) const { return max_num_seqs < 256 ? max_num_seqs : 256; }
   virtual void penalty_reset(int slot, const std::vector<int32_t>& tokens, int prompt_len) {
     MOELORA_CHECK_MSG(false, "the {} backend keeps no penalty slots", name());
   }
@@ -298,16 +295,16 @@ class Backend {
   virtual double device_timer_end_us() { return -1.0; }
 };
 
-// The shapes Backend::mla_attention_absorbed's contract states, checked once for every backend:
-// q [T, heads*(nope+rope)], latent [T, R], k_pe [T, rope], out [T, heads*v_dim] with T the step's
-// tokens; kv_b [heads*(nope+v_dim), R] and its LoRA table the same; the latent cache (1 head of
-// R + rope values, no V). A mismatch is a broken invariant (MOELORA_CHECK), not bad input.
 // Backend::sample's preconditions, checked by every backend: logprobs in [0, kMaxTopLogprobs];
 // edits sorted by token, one per token, inside the vocabulary; penalty slots below
 // `penalty_slots`, with the slots' vocabulary, and no slot in two rows of a call (the device counts
 // a drawn token into its slot with a plain read-modify-write).
 void check_sample_rows(const std::vector<SampleRow>& rows, int vocab, int penalty_slots, int penalty_vocab);
 
+// The shapes Backend::mla_attention_absorbed's contract states, checked once for every backend:
+// q [T, heads*(nope+rope)], latent [T, R], k_pe [T, rope], out [T, heads*v_dim] with T the step's
+// tokens; kv_b [heads*(nope+v_dim), R] and its LoRA table the same; the latent cache (1 head of
+// R + rope values, no V). A mismatch is a broken invariant (MOELORA_CHECK), not bad input.
 void check_mla_absorbed_shapes(int step_tokens, const Tensor& q, const Tensor& latent, const Tensor& k_pe,
                                const LinearWeight& kv_b, const LoraModuleTable* kv_b_lora, const KvLayer& kv,
                                int heads, int nope, int v_dim, const Tensor& out);

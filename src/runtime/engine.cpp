@@ -343,8 +343,7 @@ Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Backend> backend,
   const ModelConfig& cfg = model->config();
   impl->max_len = opts.max_model_len > 0 ? opts.max_model_len : cfg.max_position_embeddings;
   // Penalty slots before the KV cache is sized, so their memory is not the cache's.
-  const int want_penalty_slots =
-      opts.penalty_slots >= 0 ? opts.penalty_slots : backend->default_penalty_slots(opts.max_num_seqs);
+  const int want_penalty_slots = opts.penalty_slots >= 0 ? opts.penalty_slots : std::min(opts.max_num_seqs, 256);
   backend->reserve_penalty_slots(want_penalty_slots, cfg.vocab_size);
   for (int i = backend->penalty_slots() - 1; i >= 0; --i) impl->penalty_slots->free.push_back(i);
   if (backend->penalty_slots() > 0)

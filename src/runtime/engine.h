@@ -90,10 +90,9 @@ struct EngineOptions {
   int max_waiting = 1024;         // queue bound: submit() answers ResourceExhausted past it
   bool enable_prefix_cache = true;
   // Sequences whose penalties' counts the backend keeps (ops/sampling.h penalty slots: 4 bytes per
-  // vocabulary token each); -1: the backend's default (Backend::default_penalty_slots:
-  // min(max_num_seqs, 256); on CUDA too since SamplePenaltySlots passed on the H100, 2026-12-05). A
-  // penalised request beyond them, or on a backend without slots, sends
-  // its counts as edits every step (same tokens, more host work).
+  // vocabulary token each, 0.6 MiB at a 152k vocabulary); -1: min(max_num_seqs, 256). A penalised
+  // request beyond them, or on a backend without slots, sends its counts as edits every step (same
+  // tokens, more host work).
   int penalty_slots = -1;
   std::string lora_root;          // when set, adapter paths must resolve inside it
 };

@@ -182,6 +182,14 @@ class CudaBackend final : public Backend {
   // read x, all in one launch of the LoRA kernel.
   void base_linear(const Tensor& x, const LinearWeight& w, Tensor out);
   bool linear_lora_in_gemm(const Tensor& x, const LinearWeight& w, const std::vector<LinearPart>& parts, Tensor out);
+  // Whether a token of this step uses a slot with a non-zero rank in one of `ranks` (host mirrors of
+  // LoRA tables, one rank per slot), and the widest rank a slot holds; in a capture, what any replay
+  // may bring (lora_active_, lora_rank_ceiling_). The MoE, MLA and dense LoRA paths size by it.
+  struct StepLora {
+    bool any = false;
+    int max_rank = 0;
+  };
+  StepLora step_lora(const std::vector<const std::vector<int>*>& ranks) const;
   void add_lora(const Tensor& x, const std::vector<LoraOutput>& outs);
   // topk_softmax / topk_sigmoid_grouped record their routing for the moe() that reads the ids
   // (cuda_backend_ops.cu); flush_route launches a recorded routing on its own.

@@ -141,6 +141,21 @@ void CudaBackend::linear_parts(const Tensor& x, const LinearWeight& w, const std
   if (!outs.empty()) add_lora(x, outs);
 }
 
+CudaBackend::StepLora CudaBackend::step_lora(const std::vector<const std::vector<int>*>& ranks) const {
+  StepLora use;
+  if (mode_ == StepMode::kCapture) {  // a replay may bring any adapter, up to the rank ceiling
+    use.any = lora_active_;
+    use.max_rank = lora_rank_ceiling_;
+    return use;
+  }
+  for (const std::vector<int>* r : ranks) {
+    const int n = static_cast<int>(r->size());
+    for (int32_t s : batch_.token_slot) use.any = use.any || (s >= 0 && s < n && (*r)[s] > 0);
+    for (int x : *r) use.max_rank = std::max(use.max_rank, x);
+  }
+  return use;
+}
+
 // CudaBackendOptions::dense_lora_in_gemm: the parts' LoRA inside the small-M GEMM (a shrink launch,
 // then the GEMM adds u . B in its epilogue; kernels/dense_lora_epilogue.cuh) instead of the GEMM and
 // then the segmented kernel. Decode-sized steps on the small-M path only; false (nothing launched)
@@ -157,18 +172,14 @@ bool CudaBackend::linear_lora_in_gemm(const Tensor& x, const LinearWeight& w, co
   for (const LinearPart& p : parts)
     if (p.lora != nullptr) with_lora.push_back(&p);
   if (with_lora.empty() || static_cast<int>(with_lora.size()) > cuda::kDenseLoraMaxParts) return false;
-  // Active and the u width: from the step's slots (eager), or for any adapter a replay may bring up
-  // to the rank ceiling (capture), as the MoE layer decides.
-  bool any = false;
-  int max_rank = 0;
+  std::vector<const std::vector<int>*> ranks;
   for (const LinearPart* p : with_lora) {
     if (p->lora->num_slots != with_lora[0]->lora->num_slots) return false;
-    for (int32_t s : batch_.token_slot) any = any || (s >= 0 && s < p->lora->num_slots && p->lora->host_rank[s] > 0);
-    for (int r : p->lora->host_rank) max_rank = std::max(max_rank, r);
+    ranks.push_back(&p->lora->host_rank);
   }
-  if (mode_ == StepMode::kCapture) any = lora_active_, max_rank = lora_rank_ceiling_;
-  if (!any || max_rank > cuda::kDenseLoraMaxRank) return false;
-  max_rank = std::max(max_rank, 1);
+  const StepLora use = step_lora(ranks);
+  if (!use.any || use.max_rank > cuda::kDenseLoraMaxRank) return false;
+  const int max_rank = std::max(use.max_rank, 1);
   const size_t mark = scratch_mark();
   cuda::DenseLoraEpilogue l;
   l.ldu = max_rank;
@@ -365,13 +376,8 @@ void CudaBackend::rotary_attention(Tensor q_and_k, const Tensor& v, int heads, i
   const bool fused_pass = norms ? cuda::head_norm_rope_supported(head_dim, rope.rot_dim, rope.interleaved)
                                 : rope.rot_dim == head_dim;
   if (!opts_.kv_write_in_head_pass || !fused_pass || kv.k_head_dim != head_dim || kv.v_head_dim != head_dim ||
-      kv.kv_heads != kv_heads || v.cols() != int64_t{kv_heads} * head_dim || v.dtype() != DType::kBF16) {
-    if (norms)
-      head_norm_rope(q_and_k, heads, kv_heads, head_dim, q_norm, k_norm, eps, rope);
-    else
-      this->rope(q_and_k, heads + kv_heads, head_dim, 0, rope);
-    return run_attention(q, k, v, kv, heads, scale, out, true);
-  }
+      kv.kv_heads != kv_heads || v.cols() != int64_t{kv_heads} * head_dim || v.dtype() != DType::kBF16)
+    return Backend::rotary_attention(q_and_k, v, heads, kv_heads, head_dim, q_norm, k_norm, eps, rope, kv, scale, out);
   cuda::KvCacheWrite w;
   w.k_cache = act(kv.k);
   w.v_cache = act(kv.v);
@@ -569,17 +575,9 @@ void CudaBackend::moe(const Tensor& x, const Tensor& ids, const Tensor& weights,
   cuda::MoeLoraDevice dev;
   cuda::MoeLoraShape lshape;
   if (lora) {
-    int max_rank = 0;
-    bool any = false;
-    for (int32_t s : batch_.token_slot)
-      if (s >= 0) {
-        any = any || lora->host_gu_rank[s] > 0 || lora->host_d_rank[s] > 0;
-      }
-    for (int s = 0; s < lora->num_slots; ++s) max_rank = std::max({max_rank, lora->host_gu_rank[s], lora->host_d_rank[s]});
-    if (mode_ == StepMode::kCapture) {  // replays may bring any adapter up to the ceiling
-      any = lora_active_;
-      max_rank = lora_rank_ceiling_;
-    }
+    const StepLora use = step_lora({&lora->host_gu_rank, &lora->host_d_rank});
+    const bool any = use.any;
+    const int max_rank = use.max_rank;
     if (any) {
       dev.num_slots = lora->num_slots;
       dev.max_rank = max_rank;
@@ -713,17 +711,11 @@ void CudaBackend::mla_attention_absorbed(const Tensor& q, const Tensor& latent, 
   // (a placement above it drops the graphs), as the dense LoRA does.
   int rank_stride = 0;
   if (kv_b_lora) {
-    if (mode_ == StepMode::kCapture) {
-      rank_stride = lora_active_ ? lora_rank_ceiling_ : 0;
-    } else {
-      bool any = false;
-      for (int32_t s : batch_.token_slot) {
+    if (mode_ != StepMode::kCapture)
+      for (int32_t s : batch_.token_slot)
         MOELORA_CHECK_MSG(s < kv_b_lora->num_slots, "token slot {} outside {} slots", s, kv_b_lora->num_slots);
-        any = any || (s >= 0 && kv_b_lora->host_rank[s] > 0);
-      }
-      if (any)
-        for (int r : kv_b_lora->host_rank) rank_stride = std::max(rank_stride, r);
-    }
+    const StepLora use = step_lora({&kv_b_lora->host_rank});
+    rank_stride = use.any ? use.max_rank : 0;
   }
   static const int sms = cuda::query_device().num_sms;
   cuda_plan::MlaProblem pr;

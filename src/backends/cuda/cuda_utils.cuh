@@ -97,6 +97,13 @@ __device__ __forceinline__ uint4 ld_stream_u4_pred(const void* p, bool pred) {
   return pred ? ld_stream_u4(p) : make_uint4(0u, 0u, 0u, 0u);
 }
 
+// Row of position `pos` in a paged KV cache of `page_size` positions per page, for the sequence
+// whose page list starts at `pages` (its CSR slice of the page table).
+__device__ __forceinline__ int64_t paged_cache_row(const int32_t* pages, int page_size, int pos) {
+  const int pi = pos / page_size;
+  return static_cast<int64_t>(pages[pi]) * page_size + (pos - pi * page_size);
+}
+
 // A uint4 seen as 8 bf16 -> 8 floats (exact).
 __device__ __forceinline__ void unpack_bf16x8(const uint4& v, float (&f)[8]) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};

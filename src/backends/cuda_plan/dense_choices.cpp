@@ -67,8 +67,7 @@ bool attention_prefill_wgmma_built(int k, int v) {
 }
 
 AttentionPrefillKernel choose_attention_prefill(int k, int v) {
-  return kAttentionPrefillWgmmaMeasured && attention_prefill_wgmma_built(k, v) ? AttentionPrefillKernel::kWgmma
-                                                                               : AttentionPrefillKernel::kMmaSync;
+  return attention_prefill_wgmma_built(k, v) ? AttentionPrefillKernel::kWgmma : AttentionPrefillKernel::kMmaSync;
 }
 
 AttentionDecodeSplit choose_attention_decode_split(int T, int kv_heads, int group, int max_positions, int num_sms,

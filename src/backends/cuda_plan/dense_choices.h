@@ -72,11 +72,10 @@ enum class AttentionPrefillKernel { kMmaSync, kWgmma };
 inline constexpr int kAttentionPrefillRowsMmaSync = 64;
 inline constexpr int kAttentionPrefillRowsWgmma = 128;
 bool attention_prefill_wgmma_built(int k_head_dim, int v_head_dim);
-// Measured (H100, 2026-12-05, dev_attention prefill, Qwen3-30B heads 32/4 x 128; bench/RESULTS.md):
-// a 4096-token causal prompt 2531 -> 568 us (54 -> 242 TFLOP/s), 512 after 4096 cached 609 -> 141 us,
-// 1024 tokens 248 -> 68 us, 4096 after 4096 7480 -> 1501 us; op suite, memcheck and racecheck clean.
-// So kWgmma wherever it is built; AttentionPlanOptions::prefill_kernel still forces either.
-inline constexpr bool kAttentionPrefillWgmmaMeasured = true;
+// kWgmma wherever it is built: measured (H100, 2026-12-05, dev_attention prefill, Qwen3-30B heads
+// 32/4 x 128; bench/RESULTS.md) a 4096-token causal prompt 2531 -> 568 us (54 -> 242 TFLOP/s), 512
+// after 4096 cached 609 -> 141 us, 1024 tokens 248 -> 68 us, 4096 after 4096 7480 -> 1501 us; op
+// suite, memcheck and racecheck clean. AttentionPlanOptions::prefill_kernel still forces either.
 AttentionPrefillKernel choose_attention_prefill(int k_head_dim, int v_head_dim);
 inline int attention_prefill_rows(AttentionPrefillKernel k) {
   return k == AttentionPrefillKernel::kWgmma ? kAttentionPrefillRowsWgmma : kAttentionPrefillRowsMmaSync;

@@ -52,7 +52,7 @@ struct PrefillTile {
   static constexpr int kKBytes = (DK / 64) * kColBytes;
   static constexpr int kVBytes = (DV / 64) * kColBytes;
   static constexpr int kStageBytes = kKBytes + kVBytes;
-  static constexpr int kSmem = 1024 + kStages * kStageBytes;  // + slack to align the ring to 1024
+  static constexpr int kSmem = cuda_plan::kSw128AtomBytes + kStages * kStageBytes;  // + slack to align the ring
 };
 
 // This thread's position of a tile (p0 + tid / 4; positions at or past `end` are zero-filled) and
@@ -92,7 +92,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) attn_prefill_wgmma_kernel(co
   __shared__ int lim_max[kBlockThreads / 32];
   pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
   pdl_trigger();
-  uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  constexpr uintptr_t kAtom = cuda_plan::kSw128AtomBytes;
+  uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + kAtom - 1) & ~(kAtom - 1));
   const int first = p.items[2 * blockIdx.x], count = p.items[2 * blockIdx.x + 1];
   const int kvh = blockIdx.y;
   const int rows_total = count * p.group;

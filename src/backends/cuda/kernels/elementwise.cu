@@ -165,9 +165,7 @@ __device__ __forceinline__ void rope_cos_sin(int32_t pos, float inv_freq, float 
 // Element offset of token t's row, kv head kvh, in a cache of kv_heads heads of D values.
 __device__ __forceinline__ int64_t kv_cache_offset(const KvCacheWrite& c, int64_t t, int32_t pos, int kv_heads, int D,
                                                    int kvh) {
-  const int page = pos / c.page_size;
-  const int64_t row =
-      static_cast<int64_t>(c.page_indices[c.page_indptr[c.token_seq[t]] + page]) * c.page_size + (pos - page * c.page_size);
+  const int64_t row = paged_cache_row(c.page_indices + c.page_indptr[c.token_seq[t]], c.page_size, pos);
   return row * (static_cast<int64_t>(kv_heads) * D) + static_cast<int64_t>(kvh) * D;
 }
 

@@ -58,12 +58,6 @@ constexpr int kLoraMaxRank = cuda_plan::kMaxLoraRank;  // set_lora_slot refuses 
 
 __device__ __forceinline__ float bf(const bf16 v) { return __bfloat162float(v); }
 
-// Cache row of position `pos` of the sequence whose page list starts at `pages`.
-__device__ __forceinline__ int64_t cache_row(const int32_t* pages, int page_size, int pos) {
-  const int pi = pos / page_size;
-  return static_cast<int64_t>(pages[pi]) * page_size + (pos - pi * page_size);
-}
-
 __device__ __forceinline__ const int32_t* seq_pages(const MlaAbsorbedParams& p, int t) {
   return p.page_indices + p.page_indptr[p.token_seq[t]];
 }
@@ -118,7 +112,7 @@ __global__ void __launch_bounds__(kAbsorbThreads) query_absorb_kernel(MlaAbsorbe
     const int width = p.R + p.rope;
     for (int tt = 0; tt < nt; ++tt) {
       const int t = t0 + tt0 + tt;
-      bf16* row = p.cache + cache_row(seq_pages(p, t), p.page_size, p.positions[t]) * width;
+      bf16* row = p.cache + paged_cache_row(seq_pages(p, t), p.page_size, p.positions[t]) * width;
       const bf16* c = p.latent + static_cast<int64_t>(t) * p.ld_latent;
       const bf16* pe = p.k_pe + static_cast<int64_t>(t) * p.ld_k_pe;
       for (int i = tid; i < width; i += kAbsorbThreads) row[i] = i < p.R ? c[i] : pe[i - p.R];
@@ -210,7 +204,7 @@ __device__ __forceinline__ void load_tile(const MlaAbsorbedParams& p, const int3
     for (int idx = threadIdx.x; idx < kTile * chunks; idx += kAttnThreads) {
       const int r = idx / chunks, c = idx % chunks;
       uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      if (r < cnt && c * 8 < width) v = ldg_u4(cache + cache_row(pages, p.page_size, p0 + r) * width + c * 8);
+      if (r < cnt && c * 8 < width) v = ldg_u4(cache + paged_cache_row(pages, p.page_size, p0 + r) * width + c * 8);
       reinterpret_cast<uint4*>(tile + static_cast<int64_t>(r) * row_words)[c] = v;
     }
   } else {
@@ -220,7 +214,7 @@ __device__ __forceinline__ void load_tile(const MlaAbsorbedParams& p, const int3
       const int r = idx / elems, e = idx % elems;
       uint16_t v = 0;
       if (r < cnt && e < width)
-        v = __bfloat16_as_ushort(cache[cache_row(pages, p.page_size, p0 + r) * width + e]);
+        v = __bfloat16_as_ushort(cache[paged_cache_row(pages, p.page_size, p0 + r) * width + e]);
       t16[idx] = v;
     }
   }
