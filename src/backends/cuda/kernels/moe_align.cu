@@ -99,8 +99,9 @@ __device__ void align_lora(const MoeAlignParams& p, int* smem, int* scratch) {
   int* toff = tcnt + S;
   int* ttoff = toff + S;
   // What each slot's ranks and A layout make of its pairs, read once from the tables into shared
-  // memory: the bucket lambdas below ran over every bucket with dependent global loads, which made
-  // this kernel 13 us slower with LoRA than without at 1 and at 64 tokens (ncu, H100, 2026-12-05).
+  // memory. ncu (H100, 2026-12-05) measured this kernel 13 us slower with LoRA than without at 1
+  // and at 64 tokens; the bucket lambdas below read the rank tables from global memory for every
+  // bucket, the likely cause (this form is not yet timed).
   constexpr int kHasLora = 1, kTokenShrink = 2, kPairShrink = 4;
   int* slot_kind = ttoff + S;
   auto pair_bucket = [&](int i) {
