@@ -8,8 +8,11 @@
 // (the kernel's contract), and up to 64 rows the tokens and top-logprob ids are the CPU reference
 // sampler's (cpu::sample; logprobs within 1e-4). Timed under graph replay, logits rotated past L2,
 // median of 20.
+// `dev_sampling profile ROWS CLUSTER [flat] [full]`: three launches of one setting and nothing else,
+// for ncu (--launch-skip 2 --launch-count 1); `full` adds top-k 50 and 5 logprobs.
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -87,9 +90,29 @@ std::vector<uint8_t> run_once(const SampleParams& base, int cluster) {
   return std::vector<uint8_t>(b, b + res.size() * sizeof(DeviceSampleResult));
 }
 
+// Three launches of one configuration, for a profiler.
+int profile(int rows, int cluster, bool flat, bool full) {
+  FastRng rng(42);
+  const std::vector<float> x = make_logits(rng, rows, flat);
+  DeviceArray<float> dx(x);
+  const std::vector<DeviceSampleRow> params = make_rows(rows, full ? 50 : 0, full ? 5 : 0);
+  DeviceArray<DeviceSampleRow> dp(params);
+  SampleParams base;
+  base.ld = kVocab, base.rows = rows, base.vocab = kVocab, base.params = dp.get(), base.logits = dx.get();
+  for (int i = 0; i < 3; ++i) run_once(base, cluster);
+  std::printf("profiled %d rows, cluster %d, %s logits%s\n", rows, cluster, flat ? "flat" : "peaked",
+              full ? ", top-k 50, 5 logprobs" : "");
+  return 0;
+}
+
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  if (argc >= 4 && std::strcmp(argv[1], "profile") == 0) {
+    bool flat = false, full = false;
+    for (int a = 4; a < argc; ++a) flat |= std::strcmp(argv[a], "flat") == 0, full |= std::strcmp(argv[a], "full") == 0;
+    return profile(std::atoi(argv[2]), std::atoi(argv[3]), flat, full);
+  }
   print_ceilings("sampling");
   const std::array<int, 5> active = sample_max_active_clusters();
   std::printf("resident clusters of 2/4/8/16 blocks: %d %d %d %d\n", active[1], active[2], active[3], active[4]);

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Here (no GPU): puts the CUDA build and the Debian shared libraries it links into the git-ignored
-# .device/, which the device tool carries to the H200 (docs/gpu.md). Build first with
+# .device/, then packs them (xz) into the git-ignored .device-pack/device.tar.xz, which the device
+# tool carries to the H200 (carry [".device-pack"]; device_run.sh unpacks it): the binaries alone
+# are ~80 MB, over what one call may carry beside the ~43 MB checkout, packed ~16 MB. Arguments
+# name the binaries to pack (default: all of .device/; the libraries always go). Build first with
 # ./scripts/build.sh on a machine with nvcc (MOELORA_CUDA=AUTO builds the CUDA backend there).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -18,4 +21,7 @@ strip --strip-debug "$build/tests/ops/moelora_op_suite" -o "$root/.device/moelor
 [ -x "$build/dev/dev_attention" ] && strip --strip-debug "$build/dev/dev_attention" -o "$root/.device/dev_attention"
 # Dense LoRA (dev/lora_dense.cu: the segmented kernel, and `ingemm`, the LoRA inside the GEMM).
 [ -x "$build/dev/dev_lora_dense" ] && strip --strip-debug "$build/dev/dev_lora_dense" -o "$root/.device/dev_lora_dense"
-ls -la "$root/.device" "$root/.device/lib" | awk '{print $5, $9}'
+mkdir -p "$root/.device-pack"
+names=${*:-$(cd "$root/.device" && ls -p | grep -v /)}
+tar -C "$root/.device" -cf - lib $names | xz -T0 -6 > "$root/.device-pack/device.tar.xz"
+ls -la "$root/.device-pack" | awk '{print $5, $9}'; echo "packed: lib $names"

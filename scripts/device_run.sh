@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the H200 (device tool), from the repository root, with .device/ carried (made here by
+# On the H200 (device tool), from the repository root, with .device-pack/ carried (made here by
 # scripts/device_prepare.sh). Runs the stages named as arguments (default: all), logging to $OUT
 # (QUICK=1: the bench stage skips its rank-64 and Mixtral points):
 #   ops      the op suite (every CUDA kernel vs the CPU reference)
@@ -39,6 +39,8 @@
 #            NVFP4 Qwen3-30B-A3B config against the FP8 one (decode step, 1 and 64 tokens)
 #   moefull  the whole MoE workbench (every table of bench/RESULTS.md's MoE section)
 #   sampler  the sampling op tests and the sampler workbench (cluster size x rows x logits)
+#   samplerprof ncu's source-level profile of the sampling kernel (PROF_ROWS x PROF_CLUSTER, default
+#            256 x 2): the hottest source lines by stall samples and instructions
 #   attn     the attention op tests, memcheck and racecheck on their sanitize cases, the attention
 #            workbench (decode kernels x batch x context, prefill)
 #   nvfp4refs the float64 Hugging Face references of the NVFP4 fixtures (python3 with torch,
@@ -47,6 +49,8 @@
 #            the NVFP4 checkpoints
 # SERVE_CONC (default "1 16 64 256") lists the concurrencies of the random-weight serving runs.
 set -uo pipefail
+# The binaries travel packed (scripts/device_prepare.sh); unpack them where the stages look.
+if [ -f .device-pack/device.tar.xz ]; then mkdir -p .device && tar -xJf .device-pack/device.tar.xz -C .device; fi
 export LD_LIBRARY_PATH=$PWD/.device/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 out=${OUT:-/tmp}
 bin=./.device/moelora
@@ -171,6 +175,19 @@ for stage in $stages; do
     echo "== sampler workbench"
     timeout 240 ./.device/dev_sampling > $out/sampling_bench.log 2>&1; echo "exit $?"
     cat $out/sampling_bench.log ;;
+  samplerprof)
+    # Where the sampler's time goes, per source line: ncu's full set on one launch (256 rows on
+    # clusters of 2, the engine's 256-token pick), its source page as CSV, the hottest lines by warp
+    # stall samples and by instructions executed (scripts/ncu_source_top.py).
+    echo "== sampler source profile"
+    timeout 200 ncu -k regex:sample_kernel --launch-skip 2 --launch-count 1 --set full --import-source yes \
+      -f -o /tmp/sampler_prof ./.device/dev_sampling profile ${PROF_ROWS:-256} ${PROF_CLUSTER:-2} > $out/ncu_sampler_full.log 2>&1
+    echo "exit $?"; tail -2 $out/ncu_sampler_full.log
+    ncu -i /tmp/sampler_prof.ncu-rep --page source --csv --print-source cuda > /tmp/sampler_src_cuda.csv 2>&1
+    echo "source page exit $?"
+    ncu -i /tmp/sampler_prof.ncu-rep --page details > $out/ncu_sampler_details.txt 2>&1
+    python3 scripts/ncu_source_top.py /tmp/sampler_src_cuda.csv > $out/ncu_sampler_source_top.txt 2>&1
+    echo "top lines exit $?"; head -60 $out/ncu_sampler_source_top.txt ;;
   attn)
     echo "== attention op tests"
     timeout 200 ./.device/moelora_op_suite --gtest_brief=1 --gtest_filter='*Attn*:*Attention*' > $out/op_suite_attn.log 2>&1

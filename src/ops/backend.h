@@ -251,12 +251,13 @@ class Backend {
   //  1. processed logits p_i = apply_edit(raw_i, edit) for tokens with an edit, raw_i otherwise;
   //     with restrict_to_allowed, tokens without an `allowed` edit are -inf.
   //  2. the order: tokens by (order_key(p_i) desc, id asc); `first` is its first token.
-  //  3. temperature <= 0: token = first. Otherwise, with T = temperature, pmax = max p_i,
-  //     q_i = mass_q32(p_i, pmax, 1/T): keep the first top_k tokens of the order (top_k > 0); then
-  //     the shortest prefix of those whose q-sum S has (double)S >= (double)top_p * (double)Z,
-  //     Z = their q-sum (top_p < 1); then only tokens with (double)q_i >= (double)min_p * 2^32
-  //     (min_p > 0). token = the kept token with the largest gumbel_key(p_i, 1/T, seed, step, i)
-  //     (ties: lower id) among kept tokens with a finite p_i; if there is none, token = first.
+  //  3. temperature <= 0: token = first. Otherwise, with T = temperature, pmax = the largest finite
+  //     p_i (none: token = first), q_i = mass_q32(p_i, pmax, 1/T) (0 for non-finite p_i): keep the
+  //     first top_k tokens of the order (top_k > 0); then the shortest prefix of those whose q-sum
+  //     S has (double)S >= (double)top_p * (double)Z, Z = their q-sum (top_p < 1). Each kept token
+  //     weighs w_i = q_i, or 0 where (double)q_i < (double)min_p * 2^32 (min_p > 0). With M = the
+  //     kept tokens' w-sum (0: token = first) and t = draw_target(draw_bits(seed, step), M), token =
+  //     the first kept token of the order whose cumulative w-sum exceeds t (inverse CDF).
   //  4. logprob = raw_token - logsumexp(raw); top_logprobs = the first `logprobs` tokens by
   //     (raw desc, id asc) with their log-softmax (raw: before processing and temperature).
   //  5. a row with penalty_slot >= 0 samples with the edits penalty_slot_edits(row, slot's cells)

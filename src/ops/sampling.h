@@ -3,11 +3,13 @@
 // building blocks, compiled for the host and (under nvcc) the device, so the CPU reference and
 // the CUDA kernels compute each of them with the same IEEE operations.
 //
-// Why this formulation (and not a sort plus an inverse-CDF draw with a per-request generator):
-// every quantity that decides a token is either exact (integer masses, comparisons) or one
-// correctly rounded double operation away from exact, so the device reproduces the reference's
-// tokens bit for bit except where a double exp/log differs by an ulp right at a decision
-// boundary; and the draw depends only on (seed, step, token id), never on the batch.
+// Why this formulation: every quantity that decides a token is an exact integer (fixed-point
+// masses, their sums, comparisons) computed from one correctly rounded double exp per token, so
+// the device reproduces the reference's tokens bit for bit except where a device exp differs from
+// the host's by an ulp right at a rounding boundary; and the draw is one counter-based uniform per
+// (seed, step), so a row's token never depends on the batch it shares. The draw is an inverse-CDF
+// walk over the kept tokens in the order (one random number per row, not one per token): the device
+// finds it with the same histogram passes as the top-k / top-p boundaries.
 #pragma once
 
 #include <cmath>
@@ -154,11 +156,24 @@ MOELORA_HD uint32_t order_key(float v) {
 }
 
 // Probability mass of a token in fixed point: round(exp((v - vmax) / T) * 2^32), so sums over a
-// row are exact integers (< 2^50 for any vocabulary under 2^18 tokens) whatever the order.
+// row are exact integers (< 2^50 for any vocabulary under 2^18 tokens) whatever the order. vmax is
+// the row's largest finite value; a non-finite v (banned -inf, +inf, NaN) has no mass.
 MOELORA_HD uint64_t mass_q32(float v, float vmax, double inv_t) {
-  if (!(v > -INFINITY)) return 0;
+  if (!(v > -INFINITY && v < INFINITY)) return 0;
   const double e = exp((static_cast<double>(v) - static_cast<double>(vmax)) * inv_t);
   return static_cast<uint64_t>(e * 4294967296.0 + 0.5);
+}
+
+// The value whose order_key is `key` (its inverse; key 0, NaN, gives a NaN).
+MOELORA_HD float key_value(uint32_t key) {
+  const uint32_t u = (key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key;
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float v;
+  __builtin_memcpy(&v, &u, 4);
+  return v;
+#endif
 }
 
 // Philox 4x32-10 (Salmon et al., SC'11).
@@ -176,27 +191,22 @@ MOELORA_HD void philox4x32_10(uint32_t (&ctr)[4], uint32_t k0, uint32_t k1) {
   }
 }
 
-// U in (0, 1) with 53 random bits, keyed by the request's seed, counted by (token, step).
-MOELORA_HD double uniform(uint64_t seed, uint64_t step, uint32_t token) {
-  uint32_t c[4] = {token, static_cast<uint32_t>(step), static_cast<uint32_t>(step >> 32), 0x5A4D504Cu};
+// The draw of a row: 53 random bits keyed by the request's seed, counted by the step (a stream of
+// its own: the counter's last word).
+MOELORA_HD uint64_t draw_bits(uint64_t seed, uint64_t step) {
+  uint32_t c[4] = {0u, static_cast<uint32_t>(step), static_cast<uint32_t>(step >> 32), 0x44524157u};
   philox4x32_10(c, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
-  const uint64_t bits = ((static_cast<uint64_t>(c[0]) << 32) | c[1]) >> 11;
-  return (static_cast<double>(bits) + 0.5) * (1.0 / 9007199254740992.0);
+  return ((static_cast<uint64_t>(c[0]) << 32) | c[1]) >> 11;
 }
 
-// Gumbel-max key: argmax over the kept tokens of v / T + G draws exactly from softmax(v / T)
-// restricted to them. `gumbel_key_of` takes the token's uniform draw u (the device computes u once
-// and only evaluates this exact key for tokens a cheaper estimate cannot rule out).
-MOELORA_HD double gumbel_key_of(float v, double inv_t, double u) {
-  const double g = -log(-log(u));
+// floor(bits * total / 2^53) for bits < 2^53: a uniform integer in [0, total) (total < 2^64; exact,
+// no floating point). The drawn token is the first of the order whose cumulative kept mass exceeds it.
+MOELORA_HD uint64_t draw_target(uint64_t bits, uint64_t total) {
 #if defined(__CUDA_ARCH__)
-  return __dadd_rn(__dmul_rn(static_cast<double>(v), inv_t), g);  // no fused multiply-add: as the host
+  return __umul64hi(bits << 11, total);
 #else
-  return static_cast<double>(v) * inv_t + g;
+  return static_cast<uint64_t>((static_cast<unsigned __int128>(bits) * total) >> 53);
 #endif
-}
-MOELORA_HD double gumbel_key(float v, double inv_t, uint64_t seed, uint64_t step, uint32_t token) {
-  return gumbel_key_of(v, inv_t, uniform(seed, step, token));
 }
 
 }  // namespace sampling

@@ -25,8 +25,10 @@ constexpr double kLogprobAbs = 1e-4;
 // random-weight model: top-p keeps most of the row, so the kernel's sparse passes select most tokens);
 // kCoarse: the peaked logits rounded to multiples of 0.5 (thousands of tokens tied at every key, the
 // top-k / top-p boundary inside a large tie, so the id passes run on many tokens); kFewFinite: 30
-// finite tokens, the rest -inf (top-k 50 is larger than the finite set).
-enum class Logits { kPeaked, kFlat, kCoarse, kFewFinite };
+// finite tokens, the rest -inf (top-k 50 is larger than the finite set); kFlatOutlier: kFlat with one
+// token 40 below (the bins span 24 T, so thousands of tokens share a bin and its sub-bins are
+// used); kInfinite: kPeaked with three +inf tokens (first in the order, no mass).
+enum class Logits { kPeaked, kFlat, kCoarse, kFewFinite, kFlatOutlier, kInfinite };
 
 struct SampleCase {
   std::string label;
@@ -52,8 +54,9 @@ std::vector<float> make_logits(Rng& rng, int rows, int vocab, int64_t ld, Logits
   std::vector<float> x(static_cast<size_t>(rows) * ld, 0.0f);
   for (int r = 0; r < rows; ++r) {
     float* row = x.data() + static_cast<size_t>(r) * ld;
-    if (kind == Logits::kFlat) {
+    if (kind == Logits::kFlat || kind == Logits::kFlatOutlier) {
       for (int i = 0; i < vocab; ++i) row[i] = rng.normal(0.3f);
+      if (kind == Logits::kFlatOutlier) row[rng.integer(0, vocab - 1)] = -40.0f;
       continue;
     }
     if (kind == Logits::kFewFinite) {
@@ -65,6 +68,8 @@ std::vector<float> make_logits(Rng& rng, int rows, int vocab, int64_t ld, Logits
     for (int j = 0; j < 8; ++j) row[rng.integer(0, vocab - 1)] += rng.uniform(4.0f, 12.0f);
     if (kind == Logits::kCoarse)
       for (int i = 0; i < vocab; ++i) row[i] = std::round(row[i] * 2.0f) * 0.5f;
+    if (kind == Logits::kInfinite)
+      for (int j = 0; j < 3; ++j) row[rng.integer(0, vocab - 1)] = INFINITY;
   }
   return x;
 }
@@ -174,6 +179,17 @@ std::vector<SampleCase> sample_cases() {
       {"topk-topp-coarse-ties", 6, 32000, params(0.7f, 300, 0.6f, 0.0f, 1), true, true, false, Logits::kCoarse},
       {"topk-over-finite", 6, 32000, params(1.0f, 50, 0.9f, 0.0f, 3), false, false, false, Logits::kFewFinite},
       {"topp-few-finite-minp", 6, kQwen, params(0.9f, 0, 0.99f, 0.1f, 4), true, false, false, Logits::kFewFinite},
+      // The binned selection's sub-bins (thousands of tokens in one bin), +inf tokens (no mass;
+      // top-k 1 keeps only one, so the first token is returned), a zero top-p (the first token
+      // alone), and temperatures that make the bins span 24 T or the whole row.
+      {"topp-flat-outlier", 8, kQwen, params(0.8f, 0, 0.9f, 0.0f, 2), false, false, false, Logits::kFlatOutlier},
+      {"temp-flat-outlier", 4, kQwen, params(1.0f), false, false, false, Logits::kFlatOutlier},
+      {"topk-topp-infinite", 6, 32000, params(0.9f, 50, 0.9f, 0.0f, 3), false, false, false, Logits::kInfinite},
+      {"topk1-infinite", 4, 4096, params(1.0f, 1), false, false, false, Logits::kInfinite},
+      {"minp-infinite", 4, 4096, params(1.0f, 0, 1.0f, 0.3f), false, false, false, Logits::kInfinite},
+      {"topp0", 4, 4096, params(1.0f, 0, 0.0f)},
+      {"topp-cold", 8, kQwen, params(0.05f, 0, 0.9f)},
+      {"topp-hot-flat", 8, kQwen, params(20.0f, 0, 0.95f), false, false, false, Logits::kFlat},
   };
 }
 std::string sample_name(const ::testing::TestParamInfo<SampleCase>& i) { return gtest_safe(i.param.name()); }

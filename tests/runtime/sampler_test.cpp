@@ -139,6 +139,51 @@ TEST(SamplerSpec, TokenDependsOnlyOnItsRowSeedAndStep) {
   }
 }
 
+// The draw: 53 uniform bits per (seed, step) scaled to an integer below the kept mass. Checks
+// the scaling's range and exactness at its ends, and that the bits are uniform enough that the
+// targets spread evenly over 16 equal slices of [0, total).
+TEST(SamplerSpec, DrawTargetIsAUniformIntegerBelowTheTotal) {
+  const uint64_t top = (uint64_t{1} << 53) - 1;
+  for (uint64_t total : {uint64_t{1}, uint64_t{3}, uint64_t{1} << 32, (uint64_t{1} << 50) - 7}) {
+    EXPECT_EQ(sampling::draw_target(0, total), 0u);
+    EXPECT_EQ(sampling::draw_target(top, total), total - 1) << total;
+    EXPECT_LT(sampling::draw_target(top / 2, total), total);
+  }
+  const uint64_t total = uint64_t{3} << 40;
+  std::vector<int> slice(16, 0);
+  const int n = 32000;
+  for (int s = 0; s < n; ++s) {
+    const uint64_t bits = sampling::draw_bits(12345, static_cast<uint64_t>(s));
+    ASSERT_LT(bits, uint64_t{1} << 53);
+    const uint64_t t = sampling::draw_target(bits, total);
+    ASSERT_LT(t, total);
+    ++slice[static_cast<size_t>(t / (total / 16))];
+  }
+  const double sd = std::sqrt(n * (1.0 / 16) * (15.0 / 16));
+  for (int c : slice) EXPECT_NEAR(c, n / 16.0, 4.5 * sd);
+  EXPECT_NE(sampling::draw_bits(1, 0), sampling::draw_bits(2, 0));
+  EXPECT_NE(sampling::draw_bits(1, 0), sampling::draw_bits(1, 1));
+}
+
+// A non-finite logit has no mass: +inf tokens are never drawn while a finite token exists, and a
+// row of only +inf / NaN / -inf values gives the first token of its order (the best, lowest id:
+// the contract's "no mass" case).
+TEST(SamplerSpec, NonFiniteLogitsHaveNoMass) {
+  std::vector<float> x = {INFINITY, 0.0f, 1.0f, INFINITY, -INFINITY, NAN, 0.5f};
+  const std::vector<int> count = histogram(x, row_of(1.0f), 4000);
+  EXPECT_EQ(count[0] + count[3] + count[4] + count[5], 0);
+  expect_follows(count, softmax(x, 1.0f, {false, true, true, false, false, false, true}), 4000);
+  std::vector<float> none = {NAN, INFINITY, -INFINITY, INFINITY};
+  EXPECT_EQ(cpu::sample(none.data(), 4, 4, {row_of(1.0f, 0, 0.9f)})[0].token, 1);
+}
+
+// key_value inverts order_key on every finite value and the infinities.
+TEST(SamplerSpec, KeyValueInvertsOrderKey) {
+  for (float v : {0.0f, 1.0f, -1.0f, 3.5e-39f, -3.5e-39f, 1e30f, -1e30f, INFINITY, -INFINITY, 0.1f})
+    EXPECT_EQ(sampling::key_value(sampling::order_key(v)), v == 0.0f ? 0.0f : v);
+  EXPECT_TRUE(std::isnan(sampling::key_value(0u)));
+}
+
 TEST(SamplerSpec, EditMathFollowsVllm) {
   LogitEdit e;
   e.in_context = 1;

@@ -39,32 +39,40 @@ int32_t choose(const std::vector<float>& p, const SampleRow& r) {
   const double inv_t = 1.0 / static_cast<double>(r.temperature);
   float pmax = -INFINITY;
   for (float v : p)
-    if (v > pmax) pmax = v;
+    if (std::isfinite(v) && v > pmax) pmax = v;
+  if (!std::isfinite(pmax)) return order[0];  // no finite token
+  // q of the tokens in the order.
+  std::vector<uint64_t> q(order.size());
+  for (size_t i = 0; i < order.size(); ++i) q[i] = sampling::mass_q32(p[order[i]], pmax, inv_t);
   size_t keep = order.size();
   if (r.top_k > 0) keep = std::min<size_t>(keep, static_cast<size_t>(r.top_k));
   if (r.top_p < 1.0f) {
     uint64_t z = 0;
-    for (size_t i = 0; i < keep; ++i) z += sampling::mass_q32(p[order[i]], pmax, inv_t);
+    for (size_t i = 0; i < keep; ++i) z += q[i];
     const double target = static_cast<double>(r.top_p) * static_cast<double>(z);
     uint64_t s = 0;
     size_t n = 0;
     while (n < keep) {
-      s += sampling::mass_q32(p[order[n++]], pmax, inv_t);
+      s += q[n++];
       if (static_cast<double>(s) >= target) break;
     }
     keep = n;
   }
   const double min_q = static_cast<double>(r.min_p) * 4294967296.0;
-  int32_t best = -1;
-  double best_key = 0;
+  std::vector<uint64_t> w(keep);
+  uint64_t total = 0;
   for (size_t i = 0; i < keep; ++i) {
-    const int32_t t = order[i];
-    if (r.min_p > 0.0f && static_cast<double>(sampling::mass_q32(p[t], pmax, inv_t)) < min_q) continue;
-    if (!std::isfinite(p[t])) continue;  // banned (-inf) and broken (NaN, inf) logits are never drawn
-    const double key = sampling::gumbel_key(p[t], inv_t, r.seed, r.step, static_cast<uint32_t>(t));
-    if (best < 0 || key > best_key || (key == best_key && t < best)) best = t, best_key = key;
+    w[i] = r.min_p > 0.0f && static_cast<double>(q[i]) < min_q ? 0 : q[i];
+    total += w[i];
   }
-  return best >= 0 ? best : order[0];
+  if (total == 0) return order[0];
+  const uint64_t t = sampling::draw_target(sampling::draw_bits(r.seed, r.step), total);
+  uint64_t cum = 0;
+  for (size_t i = 0; i < keep; ++i) {
+    cum += w[i];
+    if (cum > t) return order[i];
+  }
+  return order[0];  // unreachable: cum reaches total > t
 }
 
 }  // namespace

@@ -1,14 +1,14 @@
 // Token sampling on the device: Backend::sample (ops/backend.h) for rows of f32 logits, with the
 // math of ops/sampling.h. Two launches at most:
-//  - launch_process_logits (only when some row has edits): processed rows written to `processed`
-//    (a copy of the raw row, or -inf for restrict_to_allowed rows, then each edit applied from
-//    the raw value);
-//  - launch_sample: one thread-block cluster of `cluster` blocks per row. A pass over the row finds
-//    the first token of the order, the processed maximum and the raw log-sum-exp; top-k and top-p
-//    boundaries are found by radix selection on the order key (8 bits a pass, counts or
-//    fixed-point masses in shared memory, exact integer sums, so the boundary is the reference's);
-//    a last pass draws the Gumbel-max token among the kept ones; top logprobs are a radix
-//    selection on the raw row.
+//  - launch_process_logits (only when some row has edits; sampling.cu): processed rows written to
+//    `processed` (a copy of the raw row, or -inf for restrict_to_allowed rows, then each edit
+//    applied from the raw value);
+//  - launch_sample (sample_kernel.cu): one thread-block cluster of `cluster` blocks per row. A pass
+//    over the row finds the first token of the order, the processed extremes and the raw
+//    log-sum-exp; a second bins every token's exact fixed-point mass by its distance below the
+//    top; the top-k / top-p / min-p cuts and the inverse-CDF draw are each found from those bins
+//    and one pass that sorts the tokens of one bin (exact integer sums, so every decision is the
+//    reference's); top logprobs are a radix selection on the raw row.
 #pragma once
 
 #include <cuda_runtime.h>
