@@ -122,6 +122,15 @@ struct Smem {
 };
 
 
+// v[u] = p[base + u * stride] for u < kUnroll (0 past `vocab`), every load issued before any is used.
+__device__ __forceinline__ void load_slice(const float* p, int base, int stride, int vocab, float (&v)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int i = base + u * stride;
+    v[u] = i < vocab ? p[i] : 0.0f;
+  }
+}
+
 // Calls f(i, v, in_range) for every token i of the row this thread owns in a cluster of C blocks:
 // i = rank * kThreads + threadIdx.x + k * C * kThreads, k = 0, 1, ... in order, with v = p[i]
 // (0 past the end). kUnroll loads are issued before any is used. The loop bound is the same for
@@ -133,11 +142,7 @@ __device__ __forceinline__ void for_row(const float* p, int vocab, int rank, F f
   for (int block_base = rank * kThreads; block_base < vocab; block_base += stride * kUnroll) {
     const int base = block_base + static_cast<int>(threadIdx.x);
     float v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * stride;
-      v[u] = i < vocab ? p[i] : 0.0f;
-    }
+    load_slice(p, base, stride, vocab, v);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) f(u, base + u * stride, v[u], base + u * stride < vocab);
   }
@@ -161,11 +166,7 @@ __device__ __forceinline__ void for_row_sparse(const float* p, int vocab, int ra
   for (int block_base = rank * kThreads; block_base < vocab; block_base += stride * kUnroll) {
     const int base = block_base + static_cast<int>(threadIdx.x);
     float v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * stride;
-      v[u] = i < vocab ? p[i] : 0.0f;
-    }
+    load_slice(p, base, stride, vocab, v);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int i = base + u * stride;

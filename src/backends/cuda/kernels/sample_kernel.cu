@@ -155,11 +155,7 @@ __global__ void __launch_bounds__(kThreads, 2) sample_kernel(SampleParams p) {  
     Lse acc{-INFINITY, 0.0};
     for (int i0 = (rank + a * C) * kThreads + static_cast<int>(threadIdx.x); i0 < V; i0 += vstride * kUnroll) {
       float wv[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int i = i0 + u * vstride;
-        wv[u] = i < V ? raw[i] : 0.0f;
-      }
+      load_slice(raw, i0, vstride, V, wv);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = i0 + u * vstride;
