@@ -14,11 +14,13 @@
 // plus a sweep of the GEMM tile (8/16/32/64 tokens) x FP8 regime (W8A16 / W8A8) at the larger
 // batches. `dev_moe_bench regimes` runs only the checks, that sweep and the prefill shapes;
 // `dev_moe_bench lora` the LoRA expands inside the base kernels (gate_up GEMM epilogue, moe_reduce)
-// against their own kernels;
+// against their own kernels; `dev_moe_bench direct` the LoRA kernels per routed pair against
+// moe_align's (slot, expert) groups;
 // `dev_moe_bench nvfp4` the same layer with NVFP4 experts (the 4-bit mma.sync variant) against
 // the CPU reference, its own 4-bit floor and the FP8 layer.
 #include <cuda_profiler_api.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <set>
@@ -52,6 +54,10 @@ struct Version {
   int split = -1;  // wgmma W8A16: -1 the heuristic's; 0 weights dequantised; 1 split-form activations
   int lora_gemm = -1;  // gate_up LoRA expand: -1 the heuristic's; 0 its own kernel; 1 in the GEMM epilogue
   int lora_reduce = -1;  // down LoRA expand: -1 the heuristic's; 0 its own kernel; 1 inside moe_reduce
+  int lora_direct = -1;  // LoRA items: -1 the heuristic's; 0 moe_align's (slot, expert) groups; 1 one per pair
+  // The workspace carved for kMaxT tokens whatever T (this workbench before 2026-12-06: LoRA grids
+  // sized for 256 tokens); otherwise for the step's T, as CudaBackend::moe carves it.
+  bool max_workspace = false;
 };
 const Version kV1{"v1", false, false}, kV2{"v2", true, true}, kV3{"v3", true, true, true},
     kV4{"v4", true, true, true, -1, true};
@@ -137,7 +143,11 @@ struct Bench {
     a.global_scale_gate_up = cp.ex.gu_gs.get();
     a.group_scale_down = cp.ex.d_g.get();
     a.global_scale_down = cp.ex.d_gs.get();
-    a.shape = shape;
+    MoeShape step_shape = shape;
+    if (!v.max_workspace) step_shape.max_tokens = std::max(T, 1);
+    const MoeLoraShape ls{kSlots, kRank};
+    ws = moe_workspace_carve(wsbuf.get(), step_shape, &ls);  // fits: wsbuf is sized for kMaxT
+    a.shape = step_shape;
     a.lora = adapters ? &cp.lora.dev : nullptr;
     a.token_slot = adapters == 1 ? cp.slot1.get() : adapters == 8 ? cp.slot8.get() : nullptr;
     a.out = reinterpret_cast<bf16*>(cp.out.get());
@@ -153,6 +163,7 @@ struct Bench {
     if (v.split >= 0) a.tuning->act_split = v.split == 1;
     if (v.lora_gemm >= 0) a.tuning->lora_in_gemm = v.lora_gemm == 1;
     if (v.lora_reduce >= 0) a.tuning->lora_down_in_reduce = v.lora_reduce == 1;
+    if (v.lora_direct >= 0) a.tuning->lora_direct = v.lora_direct == 1;
     MoeStreams st{s, v.one_stream ? nullptr : side, ev[0], ev[1], ev[2], ev[3]};
     moe_forward_prefix(a, ws, st, last);
   }
@@ -418,6 +429,62 @@ bool lora_mode(Bench& b, int ncopies, double bw) {
   return ok;
 }
 
+// `dev_moe_bench direct`: the LoRA kernels on one item per routed pair (MoeTuning::lora_direct)
+// against moe_align's (slot, expert) groups: bit for bit at every T with 1 and 8 adapters (the CPU
+// reference with 8 adapters up to 64 tokens), then timed with 1 and 8 adapters: grouped on the
+// 256-token workspace (this workbench before 2026-12-06), grouped and per pair on the step's own
+// workspace, per pair with the down half fused or inside moe_reduce, and the heuristic's default.
+bool direct_mode(Bench& b, int ncopies, double bw) {
+  Version grouped = kV2, direct = kV2;
+  grouped.lora_direct = 0;
+  direct.lora_direct = 1;
+  Version grouped_max = grouped, direct_fused = direct, direct_reduce = direct;
+  grouped_max.max_workspace = true;
+  direct_fused.lora_fused = true;  // the down half's shrink + expand in one launch (gate_up stays as chosen)
+  direct_reduce.lora_reduce = 1;
+  bool ok = true;
+  for (int T : {1, 3, 8, 64, 256})
+    for (int adapters : {1, 8}) {
+      b.launch(nullptr, 0, T, grouped, adapters);
+      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto ref = b.out_of(0, T);
+      const bool cpu_checked = T <= 64 && adapters == 8;
+      for (const Version* v : {&direct, &direct_fused, &direct_reduce}) {
+        b.launch(nullptr, 0, T, *v, adapters);
+        MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+        const auto out = b.out_of(0, T);
+        size_t diff = 0;
+        for (size_t i = 0; i < out.size(); ++i) diff += out[i] != ref[i];
+        const double vs_cpu = cpu_checked ? worst_vs_cpu(b, T, adapters, out) : 0.0;
+        const bool pass = diff == 0 && vs_cpu <= 1e-2;
+        ok &= pass;
+        char cpu[32] = "not checked";
+        if (cpu_checked) std::snprintf(cpu, sizeof cpu, "%.2e", vs_cpu);
+        std::printf("check per pair%s, %d adapters, T=%3d: %zu elements differ from the grouped kernels'; vs CPU %s %s\n",
+                    v == &direct ? "" : v == &direct_fused ? " + fused down" : " + down in reduce", adapters, T, diff,
+                    cpu, pass ? "ok" : "FAIL");
+      }
+    }
+  std::printf("checks %s\n", ok ? "passed" : "FAILED");
+  std::printf("\nMoE LoRA r=%d items, graph replay, %d copies, median of 30, us (copy bandwidth %.0f GB/s); per adapter "
+              "count: grouped on the 256-token workspace | grouped | per pair; with 8 also per pair + fused down | + down "
+              "in reduce; then the heuristic's default with 8\n   T |   base | 1 ad: grouped256 | grouped | per pair | "
+              "8 ad: grouped256 | grouped | per pair | + fused down | + down in reduce | default\n", kRank, ncopies, bw);
+  for (int T : kTokens) {
+    auto timed = [&](const Version& v, int adapters) {
+      return time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, v, adapters); }, ncopies, 30);
+    };
+    const double base = timed(kV2, 0);
+    const double t[9] = {timed(grouped_max, 1), timed(grouped, 1), timed(direct, 1), timed(grouped_max, 8),
+                         timed(grouped, 8), timed(direct, 8), timed(direct_fused, 8), timed(direct_reduce, 8),
+                         timed(kV2, 8)};
+    std::printf("%4d | %6.1f", T, base);
+    for (double x : t) std::printf(" | %6.1f (+%4.1f%%)", x, 100.0 * (x / base - 1.0));
+    std::printf("\n");
+  }
+  return ok;
+}
+
 // `dev_moe_bench nvfp4`: NVFP4 experts (W4A16 on the mma.sync kernels, and on the wgmma GEMM's
 // 4-bit mode) against the CPU reference at every tile, then timed per tile against their own floor
 // (touched experts' 4-bit codes and e4m3 group scales over the copy bandwidth) and the FP8 layer's
@@ -504,6 +571,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "wgmma") return wgmma_mode(b, ncopies, bw) ? 0 : 1;
   if (argc > 1 && std::string(argv[1]) == "split") return split_mode(b, ncopies, bw) ? 0 : 1;
   if (argc > 1 && std::string(argv[1]) == "lora") return lora_mode(b, ncopies, bw) ? 0 : 1;
+  if (argc > 1 && std::string(argv[1]) == "direct") return direct_mode(b, ncopies, bw) ? 0 : 1;
   if (argc > 1 && std::string(argv[1]) == "nvfp4") {
     Bench b4;
     b4.init(ncopies, /*nvfp4=*/true);

@@ -30,6 +30,8 @@
 #            racecheck, dev_attention's prefill rows), the decode split combine (every attention
 #            op case: it is on the default path) and the KV write in the rotation pass (op
 #            cases, the decode step with --kv-write-in-head-pass)
+#   direct   per-pair MoE LoRA items vs moe_align's groups: the MoE LoRA op cases, sanitizers on the
+#            per-pair cases, `dev_moe_bench direct`
 #   lora     `dev_moe_bench lora`: the LoRA expands inside the base kernels (gate_up in the GEMM's
 #            epilogue, down in moe_reduce) vs their own kernels, bit for bit, then timed with 1 and 8
 #            adapters (run `moeops lora` for the op cases too)
@@ -259,6 +261,20 @@ PY
       timeout 150 $bin bench --config $cfg --backend cuda --batch 1,64 --adapters 0,8 --rank 16 --iters 8 --json $rec
     done > $out/nvfp4_bench.log 2>&1
     grep -v "^\[" $out/nvfp4_bench.log ;;
+  direct)
+    # Per-pair MoE LoRA items (MoeTuning::lora_direct) against moe_align's groups: the MoE LoRA op
+    # cases (each eager one compares both forms bit for bit), memcheck and racecheck on the per-pair
+    # sanitize cases, then `dev_moe_bench direct` (bit for bit, CPU, timed with 1 and 8 adapters).
+    echo "== op suite, MoE LoRA cases"
+    run_sharded 'Moe*LORA*' op_suite_moe_lora 200
+    for tool in memcheck racecheck; do
+      timeout 100 compute-sanitizer --tool $tool --error-exitcode 3 ./.device/moelora_op_suite \
+        --gtest_filter='MoeSanitize*lora_per_pair*' > $out/${tool}_moe_lora_per_pair.log 2>&1
+      echo "$tool exit $?"; tail -2 $out/${tool}_moe_lora_per_pair.log
+    done
+    echo "== MoE workbench (LoRA per pair)"
+    timeout 200 ./.device/dev_moe_bench direct > $out/moe_bench_direct.log 2>&1; echo "exit $?"
+    grep -v "ok$" $out/moe_bench_direct.log ;;
   lora)
     echo "== MoE workbench (LoRA)"
     timeout 200 ./.device/dev_moe_bench lora > $out/moe_bench_lora.log 2>&1; echo "exit $?"

@@ -43,6 +43,7 @@ struct MoeCase {
   int split = -1;                 // wgmma W8A16: -1 the heuristic's, 0 weights dequantised, 1 split activations
   int lora_gemm = -1;             // gate_up LoRA expand: -1 the heuristic's, 0 its own kernel, 1 in the GEMM epilogue
   int lora_reduce = -1;           // down LoRA expand: -1 the heuristic's, 0 its own kernel, 1 inside moe_reduce
+  int lora_direct = -1;           // LoRA items: -1 the heuristic's, 0 moe_align's (slot, expert) groups, 1 per pair
 
   std::string name() const {
     std::string n = slots ? "MOE_LORA(" : "MOE(";
@@ -70,6 +71,7 @@ struct MoeCase {
     if (split >= 0) n += split ? ",split" : ",dequant";
     if (lora_gemm >= 0) n += lora_gemm ? ",lora_in_gemm" : ",lora_expand_kernel";
     if (lora_reduce >= 0) n += lora_reduce ? ",down_lora_in_reduce" : ",down_lora_expand_kernel";
+    if (lora_direct >= 0) n += lora_direct ? ",lora_per_pair" : ",lora_grouped";
     return n + ")";
   }
 };
@@ -222,6 +224,7 @@ struct Harness {
     if (c.split >= 0) a.tuning->act_split = c.split == 1;
     if (c.lora_gemm >= 0) a.tuning->lora_in_gemm = c.lora_gemm == 1;
     if (c.lora_reduce >= 0) a.tuning->lora_down_in_reduce = c.lora_reduce == 1;
+    if (c.lora_direct >= 0) a.tuning->lora_direct = c.lora_direct == 1;
     return a;
   }
   cuda::MoeStreams streams() {
@@ -350,6 +353,10 @@ TEST_P(MoeLayer, MatchesCpu) {
     if (h.c.slots && h.c.lora_reduce < 0)
       h.expect_same_bits([](cuda_plan::MoeTuning& t) { t.lora_down_in_reduce = !t.lora_down_in_reduce; },
                          "down LoRA expand in moe_reduce vs its own kernel");
+    // Per-pair LoRA items against moe_align's (slot, expert) groups: the same row sums.
+    if (h.c.slots && h.c.lora_direct < 0)
+      h.expect_same_bits([](cuda_plan::MoeTuning& t) { t.lora_direct = !t.lora_direct; },
+                         "LoRA per routed pair vs grouped by moe_align");
     return;
   }
   // Graph: captured once, replayed on new inputs written in place (static buffers), as the
@@ -573,6 +580,27 @@ std::vector<MoeCase> moe_cases() {
   { MoeCase c = with_lora(base(1, 128, 8, 2048, 768), 8, {16}, kSlotDistinct); c.lora_reduce = 1; v.push_back(c); }
   { MoeCase c = nvfp4(with_lora(base(24, 8, 2, 128, 192), 4, {1, 16, 128, 5})); c.graph = true; c.lora_reduce = 1;
     v.push_back(c); }
+  // LoRA items per routed pair (MoeTuning::lora_direct; every eager LoRA case also compares it bit
+  // for bit with moe_align's groups): sentinel expert ids with LoRA, invalid slots, shared factors
+  // (a shared gate_up A: u once per token, by its first pair), half-disabled slots, the expand
+  // kernels, graph replay with new inputs, Qwen3 shapes at 1 and 8 tokens with distinct adapters.
+  { MoeCase c = with_lora(base(19, 8, 2, 128, 192), 3, {16, 4}); c.route = kSentinel; c.lora_direct = 1; v.push_back(c); }
+  { MoeCase c = with_lora(base(19, 8, 2, 128, 192), 3, {16, 4}, kSlotInvalid); c.route = kSentinel; c.lora_direct = 1;
+    c.lora_gemm = 0; v.push_back(c); }
+  for (int share : {1, 15}) {
+    MoeCase c = with_lora(base(21, 8, 2, 128, 192), 4, {16, 7});
+    c.share = share;
+    c.lora_direct = 1;
+    c.lora_gemm = 0;
+    v.push_back(c);
+  }
+  { MoeCase c = with_lora(base(18, 8, 2, 128, 192), 4, {16}); c.half_rank0 = true; c.lora_direct = 1; v.push_back(c); }
+  { MoeCase c = with_lora(base(16, 8, 2, 128, 192), 4, {16, 1, 128}); c.graph = true; c.lora_direct = 1; v.push_back(c); }
+  { MoeCase c = with_lora(base(8, 128, 8, 2048, 768), 8, {16}, kSlotDistinct); c.graph = true; c.share = 9;
+    c.lora_direct = 1; v.push_back(c); }
+  { MoeCase c = with_lora(base(1, 128, 8, 2048, 768), 8, {16}, kSlotDistinct); c.lora_direct = 1; v.push_back(c); }
+  { MoeCase c = with_lora(base(5, 8, 2, 128, 192), 3, {16, 64}); c.two_streams = false; c.lora_direct = 1; c.lora_reduce = 1;
+    v.push_back(c); }
   // The fused LoRA kernel (shrink + expand in one launch) on the LoRA families above.
   std::vector<MoeCase> fused;
   for (const MoeCase& c : v)
@@ -615,6 +643,10 @@ std::vector<MoeCase> moe_sanitize_cases() {
   { MoeCase c = with_lora(base(21, 8, 2, 256, 128), 3, {16}); c.nvfp4 = true; c.fp8 = false; c.wgmma = 1; c.tile = 1;
     v.push_back(c); }  // NVFP4 on wgmma
   { MoeCase c = with_lora(base(7, 8, 2, 128, 192), 3, {1, 16, 128}); c.lora_gemm = 1; c.lora_reduce = 1; v.push_back(c); }
+  { MoeCase c = with_lora(base(9, 8, 2, 128, 192), 3, {1, 16}); c.route = kSentinel; c.share = 1; c.lora_direct = 1;
+    c.lora_gemm = 0; v.push_back(c); }  // per-pair LoRA items, both expand kernels
+  { MoeCase c = with_lora(base(7, 8, 2, 128, 192), 3, {1, 16, 128}); c.share = 9; c.lora_direct = 1; c.lora_fused = true;
+    v.push_back(c); }
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(MoeSanitize, MoeLayer, ::testing::ValuesIn(moe_sanitize_cases()), moe_test_name);

@@ -41,6 +41,10 @@ struct MoeTuning {
   // down half. Not chosen by choose_moe_tuning until measured on the GPU (tests and the workbench
   // force it).
   bool lora_down_in_reduce = false;
+  // The LoRA kernels take one item per routed pair (its slot and expert read from token_slot and
+  // ids) instead of moe_align's (slot, expert) groups: moe_align skips the LoRA grouping and the
+  // LoRA grids are sized by the step's pairs. Same bits either way (moe_lora.cuh, MoeLoraPairs).
+  bool lora_direct = false;
   bool pdl = true;          // programmatic dependent launch between consecutive kernels
   // FP8 experts only: W8A8 (activations quantised per token per 128 channels, e4m3 MMA) instead
   // of W8A16 (exact bf16 activations, weights dequantised in registers). docs/numerics.md.

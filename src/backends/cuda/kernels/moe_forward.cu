@@ -84,8 +84,14 @@ LoraHalf lora_half(const MoeForwardArgs& a, const MoeWorkspace& ws, bool gate_up
   return {ws.act, s.I, s.I, 1, s.H, a.lora->d_a, a.lora->d_b, ws.delta_d, ws.u_d, nullptr};
 }
 
-// One LoRA half as one shrink + expand launch over l_tiles.
-MoeLoraFusedParams fused_params(const MoeForwardArgs& a, const MoeWorkspace& ws, bool gate_up, bool pdl) {
+// The per-pair form's items (MoeTuning::lora_direct), or the grouped form's (ids null).
+MoeLoraPairs lora_pairs(const MoeForwardArgs& a, bool direct) {
+  if (!direct) return {};
+  return {a.ids, a.token_slot, a.T * a.shape.k, a.shape.k, a.shape.E};
+}
+
+// One LoRA half as one shrink + expand launch over l_tiles (or per pair).
+MoeLoraFusedParams fused_params(const MoeForwardArgs& a, const MoeWorkspace& ws, bool gate_up, bool pdl, bool direct) {
   const LoraHalf h = lora_half(a, ws, gate_up);
   MoeLoraFusedParams f;
   f.x = h.x;
@@ -101,13 +107,15 @@ MoeLoraFusedParams fused_params(const MoeForwardArgs& a, const MoeWorkspace& ws,
   f.num_slots = a.lora->num_slots;
   f.N = h.N;
   f.out = h.delta;
+  f.direct = lora_pairs(a, direct);
   f.pdl = pdl;
   return f;
 }
 
 // One LoRA half's shrink. gate_up: u rows per pair (per-expert A) or per token (shared A) over
 // g_tiles, from x; down: u rows per pair over l_tiles, from act.
-MoeLoraShrinkParams shrink_params(const MoeForwardArgs& a, const MoeWorkspace& ws, bool gate_up, bool pdl) {
+MoeLoraShrinkParams shrink_params(const MoeForwardArgs& a, const MoeWorkspace& ws, bool gate_up, bool pdl,
+                                  bool direct) {
   const LoraHalf h = lora_half(a, ws, gate_up);
   MoeLoraShrinkParams sh;
   sh.x = h.x;
@@ -125,12 +133,14 @@ MoeLoraShrinkParams shrink_params(const MoeForwardArgs& a, const MoeWorkspace& w
   sh.u_pair = h.u_pair;
   sh.u_tok = h.u_tok;
   sh.ldu = ws.ldu;
+  sh.direct = lora_pairs(a, direct);
   sh.pdl = pdl;
   return sh;
 }
 
 // One LoRA half's expand over l_tiles into its delta buffer.
-MoeLoraExpandParams expand_params(const MoeForwardArgs& a, const MoeWorkspace& ws, bool gate_up, bool pdl) {
+MoeLoraExpandParams expand_params(const MoeForwardArgs& a, const MoeWorkspace& ws, bool gate_up, bool pdl,
+                                  bool direct) {
   const LoraHalf h = lora_half(a, ws, gate_up);
   MoeLoraExpandParams ex;
   ex.u_pair = h.u_pair;
@@ -146,6 +156,7 @@ MoeLoraExpandParams expand_params(const MoeForwardArgs& a, const MoeWorkspace& w
   ex.num_slots = a.lora->num_slots;
   ex.N = h.N;
   ex.out = h.delta;
+  ex.direct = lora_pairs(a, direct);
   ex.pdl = pdl;
   return ex;
 }
@@ -248,7 +259,8 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
   al.tiles = ws.tiles;
   al.max_tiles = ws.max_tiles;
   al.counters = ws.counters;
-  if (lora) {
+  const bool direct = lora && tune.lora_direct;  // per-pair LoRA items: no LoRA grouping in moe_align
+  if (lora && !direct) {
     al.token_slot = a.token_slot;
     al.num_slots = a.lora->num_slots;
     al.gu_rank = a.lora->gu_a.rank;
@@ -270,17 +282,17 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
   // shrink + expand into delta_gu on the side stream, joined before gate_up.
   const bool gu_in_gemm = lora && tune.lora_in_gemm;
   if (gu_in_gemm) {
-    moe_lora_shrink(shrink_params(a, ws, /*gate_up=*/true, pdl), M);
+    moe_lora_shrink(shrink_params(a, ws, /*gate_up=*/true, pdl, direct), M);
   } else if (lora) {
     if (two_streams) {
       MOELORA_CUDA_CHECK(cudaEventRecord(st.ev_ids, M));
       MOELORA_CUDA_CHECK(cudaStreamWaitEvent(S, st.ev_ids, 0));
     }
     if (tune.lora_fused) {
-      moe_lora_fused(fused_params(a, ws, /*gate_up=*/true, pdl && !two_streams), S);
+      moe_lora_fused(fused_params(a, ws, /*gate_up=*/true, pdl && !two_streams, direct), S);
     } else {
-      moe_lora_shrink(shrink_params(a, ws, /*gate_up=*/true, pdl && !two_streams), S);  // behind moe_align on one stream
-      moe_lora_expand(expand_params(a, ws, /*gate_up=*/true, pdl), S);
+      moe_lora_shrink(shrink_params(a, ws, /*gate_up=*/true, pdl && !two_streams, direct), S);  // behind moe_align on one stream
+      moe_lora_expand(expand_params(a, ws, /*gate_up=*/true, pdl, direct), S);
     }
     if (two_streams) {
       MOELORA_CUDA_CHECK(cudaEventRecord(st.ev_gu, S));
@@ -341,13 +353,13 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
       MOELORA_CUDA_CHECK(cudaStreamWaitEvent(S, st.ev_act, 0));
     }
     if (d_in_reduce) {
-      moe_lora_shrink(shrink_params(a, ws, /*gate_up=*/false, pdl && !two_streams), S);
+      moe_lora_shrink(shrink_params(a, ws, /*gate_up=*/false, pdl && !two_streams, direct), S);
     } else if (tune.lora_fused) {
-      moe_lora_fused(fused_params(a, ws, /*gate_up=*/false, pdl && !two_streams), S);
+      moe_lora_fused(fused_params(a, ws, /*gate_up=*/false, pdl && !two_streams, direct), S);
     } else {
       // Behind gate_up on one stream; behind an event wait otherwise.
-      moe_lora_shrink(shrink_params(a, ws, /*gate_up=*/false, pdl && !two_streams), S);
-      moe_lora_expand(expand_params(a, ws, /*gate_up=*/false, pdl), S);
+      moe_lora_shrink(shrink_params(a, ws, /*gate_up=*/false, pdl && !two_streams, direct), S);
+      moe_lora_expand(expand_params(a, ws, /*gate_up=*/false, pdl, direct), S);
     }
     if (two_streams) MOELORA_CUDA_CHECK(cudaEventRecord(st.ev_d, S));
   }

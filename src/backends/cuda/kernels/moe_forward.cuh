@@ -3,7 +3,8 @@
 // The CUDA backend can call moe_forward as is or copy its sequence; tests/ops and dev/ use it.
 //
 // Sequence (main stream M, side stream S, events created by the caller before any capture):
-//   M: [fp8 quant x]  [router_topk]  moe_align (base tiles + LoRA groups; routing fused in when fuse_route)
+//   M: [fp8 quant x]  [router_topk]  moe_align (base tiles + LoRA groups; routing fused in when fuse_route;
+//      no LoRA groups with lora_direct, where the LoRA kernels take one item per routed pair)
 //   lora_in_gemm (the default):
 //   M: gate_up shrink -> u, moe_gate_up(+ u . B in its epilogue, before SwiGLU) -> act, record ev_act
 //   otherwise:

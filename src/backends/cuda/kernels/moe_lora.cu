@@ -25,6 +25,20 @@ __device__ __forceinline__ int slot_rank(const int32_t* rank, int s, int num_slo
   return (s >= 0 && s < num_slots) ? min(rank[s], kMoeLoraMaxRank) : 0;
 }
 
+// Item i of the per-pair form (MoeLoraPairs): pair i as a one-row tile {expert, start = pair, 1,
+// slot}, slot -1 (the "none" group) for an out-of-range slot or expert id. With token_tiles (the
+// gate_up shrink), a pair of a slot whose gate_up A is shared by all experts is the token tile
+// {-1, token, 1, slot} on the token's first pair and nothing (slot -1) on its others, as moe_align's
+// token tiles compute such u rows once per token.
+__device__ __forceinline__ MoeTile pair_tile(const MoeLoraPairs& d, const int64_t* a_stride, int num_slots, int i,
+                                             bool token_tiles) {
+  const int t = i / d.top_k;
+  const int s = d.token_slot[t], e = d.ids[i];
+  const bool slot_ok = s >= 0 && s < num_slots;
+  if (token_tiles && slot_ok && a_stride[s] == 0) return MoeTile{-1, t, 1, i % d.top_k == 0 ? s : -1};
+  return MoeTile{e, i, 1, slot_ok && e >= 0 && e < d.E ? s : -1};
+}
+
 // One warp: acc[m] = partial dot products of A row `A` (K elements) with x rows s_x[m], m < count
 // (lane-partial: the caller reduces over the warp).
 __device__ __forceinline__ void shrink_row(const bf16* A, const bf16* x, int64_t ldx, int K, const int* s_x, int count,
@@ -135,11 +149,13 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const _
   pdl_wait();
   pdl_trigger();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int num_tiles = *p.num_tiles;
+  const bool direct = p.direct.ids != nullptr;
+  const int num_tiles = direct ? p.direct.pairs : *p.num_tiles;
   const int jblocks = (p.max_rank + kShrinkRows - 1) / kShrinkRows;
   const int items = num_tiles * jblocks;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const MoeTile t = p.tiles[item / jblocks];
+    const MoeTile t = direct ? pair_tile(p.direct, p.a.stride, p.num_slots, item / jblocks, p.u_tok != nullptr)
+                             : p.tiles[item / jblocks];
     const int jb = item % jblocks;
     const int s = t.slot, r = slot_rank(p.a.rank, s, p.num_slots);
     if (jb * kShrinkRows >= r) continue;  // uniform over the CTA
@@ -147,7 +163,7 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const _
     const int count = min(t.count, LT);
     __syncthreads();  // the previous item's readers of s_x / s_o are done
     if (threadIdx.x < count) {
-      const int idx = (token_tile ? p.sorted_tokens : p.sorted_pairs)[t.start + threadIdx.x];
+      const int idx = direct ? t.start : (token_tile ? p.sorted_tokens : p.sorted_pairs)[t.start + threadIdx.x];
       s_x[threadIdx.x] = token_tile ? idx : idx / p.x_row_div;
       s_o[threadIdx.x] = idx;
     }
@@ -174,16 +190,17 @@ __global__ void __launch_bounds__(kExpandThreads) moe_lora_expand_kernel(const _
   __shared__ int s_p[LT];
   pdl_wait();
   pdl_trigger();
-  const int num_tiles = *p.num_tiles;
+  const bool direct = p.direct.ids != nullptr;
+  const int num_tiles = direct ? p.direct.pairs : *p.num_tiles;
   const int nch = (p.N + kExpandCols - 1) / kExpandCols;
   const int items = num_tiles * nch;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const MoeTile t = p.tiles[item / nch];
+    const MoeTile t = direct ? pair_tile(p.direct, nullptr, p.num_slots, item / nch, false) : p.tiles[item / nch];
     const int ch = item % nch;
     const int s = t.slot, r = slot_rank(p.b.rank, s, p.num_slots);
     const int count = min(t.count, LT);
     __syncthreads();  // previous item's readers of s_u / s_p are done
-    if (threadIdx.x < count) s_p[threadIdx.x] = p.sorted_pairs[t.start + threadIdx.x];
+    if (threadIdx.x < count) s_p[threadIdx.x] = direct ? t.start : p.sorted_pairs[t.start + threadIdx.x];
     __syncthreads();
     if (r > 0) {
       const bool token_u = p.a_stride && p.a_stride[s] == 0;
@@ -216,17 +233,18 @@ __global__ void __launch_bounds__(kExpandThreads) moe_lora_fused_kernel(const __
   pdl_wait();
   pdl_trigger();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int num_tiles = *p.num_tiles;
+  const bool direct = p.direct.ids != nullptr;
+  const int num_tiles = direct ? p.direct.pairs : *p.num_tiles;
   const int nch = (p.N + kExpandCols - 1) / kExpandCols;
   const int items = num_tiles * nch;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const MoeTile t = p.tiles[item / nch];
+    const MoeTile t = direct ? pair_tile(p.direct, nullptr, p.num_slots, item / nch, false) : p.tiles[item / nch];
     const int ch = item % nch;
     const int s = t.slot, r = slot_rank(p.a.rank, s, p.num_slots);
     const int count = min(t.count, LT);
     __syncthreads();  // previous item's readers of s_u / s_p / s_x are done
     if (threadIdx.x < count) {
-      const int pr = p.sorted_pairs[t.start + threadIdx.x];
+      const int pr = direct ? t.start : p.sorted_pairs[t.start + threadIdx.x];
       s_p[threadIdx.x] = pr;
       s_x[threadIdx.x] = pr / p.x_row_div;
     }
@@ -258,35 +276,46 @@ __global__ void __launch_bounds__(kExpandThreads) moe_lora_fused_kernel(const __
   }
 }
 
+bool check_pairs(const MoeLoraPairs& d) {
+  return d.token_slot && d.pairs >= 0 && d.top_k >= 1 && d.pairs % d.top_k == 0 && d.E >= 1;
+}
+
 }  // namespace
 
 void moe_lora_shrink(const MoeLoraShrinkParams& p, cudaStream_t stream) {
-  MOELORA_CHECK(p.x && p.K % 8 == 0 && p.ldx % 8 == 0 && p.x_row_div >= 1 && p.tiles && p.num_tiles);
-  MOELORA_CHECK(p.sorted_pairs && p.a.ptr && p.a.stride && p.a.rank && p.u_pair);
+  MOELORA_CHECK(p.x && p.K % 8 == 0 && p.ldx % 8 == 0 && p.x_row_div >= 1);
+  MOELORA_CHECK(p.direct.ids ? check_pairs(p.direct) : (p.tiles && p.num_tiles && p.sorted_pairs));
+  MOELORA_CHECK(p.a.ptr && p.a.stride && p.a.rank && p.u_pair);
   MOELORA_CHECK(!p.sorted_tokens || p.u_tok);  // token tiles (shared A) write u_tok
   MOELORA_CHECK(p.max_rank >= 0 && p.max_rank <= p.ldu && p.max_rank <= kMoeLoraMaxRank);
-  if (p.max_tiles == 0 || p.max_rank == 0) return;
-  const int64_t items = static_cast<int64_t>(p.max_tiles) * ((p.max_rank + kShrinkRows - 1) / kShrinkRows);
+  const int tiles = p.direct.ids ? p.direct.pairs : p.max_tiles;
+  if (tiles == 0 || p.max_rank == 0) return;
+  const int64_t items = static_cast<int64_t>(tiles) * ((p.max_rank + kShrinkRows - 1) / kShrinkRows);
   const int grid = static_cast<int>(std::min<int64_t>(items, static_cast<int64_t>(moe_num_sms()) * 8));
   moe_launch(moe_lora_shrink_kernel, dim3(grid), dim3(kShrinkThreads), 0, stream, p.pdl, p);
 }
 
 void moe_lora_expand(const MoeLoraExpandParams& p, cudaStream_t stream) {
-  MOELORA_CHECK(p.N > 0 && p.N % 2 == 0 && p.tiles && p.num_tiles && p.sorted_pairs && p.out && p.top_k >= 1);
+  MOELORA_CHECK(p.N > 0 && p.N % 2 == 0 && p.out && p.top_k >= 1);
+  MOELORA_CHECK(p.direct.ids ? check_pairs(p.direct) && p.direct.top_k == p.top_k
+                             : (p.tiles && p.num_tiles && p.sorted_pairs));
   MOELORA_CHECK(p.b.ptr && p.b.stride && p.b.rank && p.u_pair && (!p.a_stride || p.u_tok));
   MOELORA_CHECK((reinterpret_cast<uintptr_t>(p.out) & 3) == 0);
-  if (p.max_tiles == 0) return;
-  const int64_t items = static_cast<int64_t>(p.max_tiles) * ((p.N + kExpandCols - 1) / kExpandCols);
+  const int tiles = p.direct.ids ? p.direct.pairs : p.max_tiles;
+  if (tiles == 0) return;
+  const int64_t items = static_cast<int64_t>(tiles) * ((p.N + kExpandCols - 1) / kExpandCols);
   const int grid = static_cast<int>(std::min<int64_t>(items, static_cast<int64_t>(moe_num_sms()) * 8));
   moe_launch(moe_lora_expand_kernel, dim3(grid), dim3(kExpandThreads), 0, stream, p.pdl, p);
 }
 
 void moe_lora_fused(const MoeLoraFusedParams& p, cudaStream_t stream) {
-  MOELORA_CHECK(p.x && p.K % 8 == 0 && p.ldx % 8 == 0 && p.x_row_div >= 1 && p.tiles && p.num_tiles && p.sorted_pairs);
+  MOELORA_CHECK(p.x && p.K % 8 == 0 && p.ldx % 8 == 0 && p.x_row_div >= 1);
+  MOELORA_CHECK(p.direct.ids ? check_pairs(p.direct) : (p.tiles && p.num_tiles && p.sorted_pairs));
   MOELORA_CHECK(p.a.ptr && p.a.stride && p.a.rank && p.b.ptr && p.b.stride && p.b.rank && p.out);
   MOELORA_CHECK(p.N > 0 && p.N % 2 == 0 && (reinterpret_cast<uintptr_t>(p.out) & 3) == 0);
-  if (p.max_tiles == 0) return;
-  const int64_t items = static_cast<int64_t>(p.max_tiles) * ((p.N + kExpandCols - 1) / kExpandCols);
+  const int tiles = p.direct.ids ? p.direct.pairs : p.max_tiles;
+  if (tiles == 0) return;
+  const int64_t items = static_cast<int64_t>(tiles) * ((p.N + kExpandCols - 1) / kExpandCols);
   const int grid = static_cast<int>(std::min<int64_t>(items, static_cast<int64_t>(moe_num_sms()) * 8));
   moe_launch(moe_lora_fused_kernel, dim3(grid), dim3(kExpandThreads), 0, stream, p.pdl, p);
 }

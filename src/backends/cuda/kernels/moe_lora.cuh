@@ -32,6 +32,21 @@ struct MoeLoraFactors {
   const int32_t* rank = nullptr;    // [num_slots]
 };
 
+// Per-pair items instead of moe_align's (slot, expert) groups (MoeTuning::lora_direct): item p is
+// routed pair p alone, its slot and expert read from token_slot and ids, so moe_align skips the LoRA
+// grouping and the LoRA grids are sized by the step's P = T * top_k on the host (graph-safe: a
+// captured step has a fixed T). Each pair then reads its own factors, from L2 when pairs of one
+// (slot, expert) run together; the per-row sums are the grouped kernels' (same loops, one row per
+// tile), so both forms give the same bits. Pairs with an expert id outside [0, E), an out-of-range
+// slot or rank 0 are the "none" group: no shrink, zero delta rows.
+struct MoeLoraPairs {
+  const int32_t* ids = nullptr;         // [P] expert of each pair; null: the grouped form
+  const int32_t* token_slot = nullptr;  // [T]
+  int pairs = 0;                        // P
+  int top_k = 1;
+  int E = 0;
+};
+
 struct MoeLoraShrinkParams {
   const bf16* x = nullptr;         // gate_up: hidden [T, K]; down: act [P, K]
   int64_t ldx = 0;
@@ -48,6 +63,9 @@ struct MoeLoraShrinkParams {
   float* u_pair = nullptr;         // [P, ldu]
   float* u_tok = nullptr;          // [T, ldu] (gate_up with shared-A slots)
   int ldu = 0;
+  // Per-pair form (tiles, num_tiles, sorted_* unused). gate_up (u_tok set): a shared-A slot's u
+  // row is computed once per token, by the token's first pair, as the grouped token tiles do.
+  MoeLoraPairs direct;
   bool pdl = false;
 };
 void moe_lora_shrink(const MoeLoraShrinkParams& p, cudaStream_t stream);
@@ -66,6 +84,7 @@ struct MoeLoraExpandParams {
   int num_slots = 0;
   int N = 0;                          // output width (gate_up 2I, down H), even
   bf16* out = nullptr;                // [P, N]
+  MoeLoraPairs direct;                // per-pair form (tiles, num_tiles, sorted_pairs unused)
   bool pdl = false;
 };
 void moe_lora_expand(const MoeLoraExpandParams& p, cudaStream_t stream);
@@ -88,6 +107,7 @@ struct MoeLoraFusedParams {
   int num_slots = 0;
   int N = 0;
   bf16* out = nullptr;                    // [P, N], every row written
+  MoeLoraPairs direct;                    // per-pair form (tiles, num_tiles, sorted_pairs unused)
   bool pdl = false;
 };
 void moe_lora_fused(const MoeLoraFusedParams& p, cudaStream_t stream);
