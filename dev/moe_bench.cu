@@ -431,13 +431,13 @@ bool lora_mode(Bench& b, int ncopies, double bw) {
 
 // `dev_moe_bench direct`: the LoRA kernels on one item per routed pair (MoeTuning::lora_direct)
 // against moe_align's (slot, expert) groups: bit for bit at every T with 1 and 8 adapters (the CPU
-// reference with 8 adapters up to 64 tokens), then timed with 1 and 8 adapters: grouped on the
-// 256-token workspace (this workbench before 2026-12-06), grouped and per pair on the step's own
-// workspace, per pair with the down half fused or inside moe_reduce, and the heuristic's default.
+// reference with 8 adapters up to 64 tokens), then timed with 1 and 8 adapters: both item forms,
+// each with the down expand in its own kernel or inside moe_reduce, and the heuristic's default.
 bool direct_mode(Bench& b, int ncopies, double bw) {
   Version grouped = kV2, direct = kV2;
   grouped.lora_direct = 0;
   direct.lora_direct = 1;
+  grouped.lora_reduce = direct.lora_reduce = 0;  // the down expand in its own kernel unless named
   Version grouped_max = grouped, direct_fused = direct, direct_reduce = direct;
   grouped_max.max_workspace = true;
   direct_fused.lora_fused = true;  // the down half's shrink + expand in one launch (gate_up stays as chosen)
@@ -466,18 +466,25 @@ bool direct_mode(Bench& b, int ncopies, double bw) {
       }
     }
   std::printf("checks %s\n", ok ? "passed" : "FAILED");
-  std::printf("\nMoE LoRA r=%d items, graph replay, %d copies, median of 30, us (copy bandwidth %.0f GB/s); per adapter "
-              "count: grouped on the 256-token workspace | grouped | per pair; with 8 also per pair + fused down | + down "
-              "in reduce; then the heuristic's default with 8\n   T |   base | 1 ad: grouped256 | grouped | per pair | "
-              "8 ad: grouped256 | grouped | per pair | + fused down | + down in reduce | default\n", kRank, ncopies, bw);
+  // Every (items, down expand) combination with 1 and 8 adapters, then the heuristic's choice
+  // (kV2: choose_moe_tuning) for each; grouped on the 256-token workspace is this workbench before
+  // 2026-12-06 and is timed with 8 adapters only.
+  Version grouped_reduce = grouped;
+  grouped_reduce.lora_reduce = 1;
+  std::printf("\nMoE LoRA r=%d items, graph replay, %d copies, median of 30, us (copy bandwidth %.0f GB/s); "
+              "reduce = the down expand inside moe_reduce, default = choose_moe_tuning's\n   T |   base | 1 ad: "
+              "grouped | grouped+reduce | per pair | per pair+reduce | default | 8 ad: grouped256 | grouped | "
+              "grouped+reduce | per pair | per pair+reduce | per pair+fused down | default\n",
+              kRank, ncopies, bw);
   for (int T : kTokens) {
     auto timed = [&](const Version& v, int adapters) {
       return time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, v, adapters); }, ncopies, 30);
     };
     const double base = timed(kV2, 0);
-    const double t[9] = {timed(grouped_max, 1), timed(grouped, 1), timed(direct, 1), timed(grouped_max, 8),
-                         timed(grouped, 8), timed(direct, 8), timed(direct_fused, 8), timed(direct_reduce, 8),
-                         timed(kV2, 8)};
+    const double t[12] = {timed(grouped, 1),         timed(grouped_reduce, 1), timed(direct, 1),
+                          timed(direct_reduce, 1),   timed(kV2, 1),            timed(grouped_max, 8),
+                          timed(grouped, 8),         timed(grouped_reduce, 8), timed(direct, 8),
+                          timed(direct_reduce, 8),   timed(direct_fused, 8),   timed(kV2, 8)};
     std::printf("%4d | %6.1f", T, base);
     for (double x : t) std::printf(" | %6.1f (+%4.1f%%)", x, 100.0 * (x / base - 1.0));
     std::printf("\n");

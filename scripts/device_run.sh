@@ -32,6 +32,8 @@
 #            cases, the decode step with --kv-write-in-head-pass)
 #   direct   per-pair MoE LoRA items vs moe_align's groups: the MoE LoRA op cases, sanitizers on the
 #            per-pair cases, `dev_moe_bench direct`
+#   loradefault the MoE LoRA op cases, `dev_moe_bench direct`, the decode step (0 and 8 adapters)
+#            and verify on choose_moe_tuning's LoRA defaults of 2026-12-06
 #   lora     `dev_moe_bench lora`: the LoRA expands inside the base kernels (gate_up in the GEMM's
 #            epilogue, down in moe_reduce) vs their own kernels, bit for bit, then timed with 1 and 8
 #            adapters (run `moeops lora` for the op cases too)
@@ -275,6 +277,22 @@ PY
     echo "== MoE workbench (LoRA per pair)"
     timeout 200 ./.device/dev_moe_bench direct > $out/moe_bench_direct.log 2>&1; echo "exit $?"
     grep -v "ok$" $out/moe_bench_direct.log ;;
+  loradefault)
+    # choose_moe_tuning's LoRA choices of 2026-12-06 (per-pair items up to 2 pairs per expert, the
+    # down expand in moe_reduce from 1): the MoE LoRA op cases on the new defaults, `dev_moe_bench
+    # direct` (its default columns), the decode step with 0 and 8 adapters, verify (graphs).
+    echo "== op suite, MoE LoRA cases"
+    run_sharded 'Moe*LORA*' op_suite_moe_lora 200
+    echo "== MoE workbench (LoRA items)"
+    timeout 200 ./.device/dev_moe_bench direct > $out/moe_bench_direct.log 2>&1; echo "exit $?"
+    grep -v "ok$" $out/moe_bench_direct.log
+    echo "== bench"
+    timeout 200 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8,64,256 \
+      --adapters 0,8 --rank 16 --iters 10 --json $out/bench_records.jsonl > $out/bench.log 2>&1; echo "exit $?"
+    tail -30 $out/bench.log
+    echo "== verify cuda"
+    timeout 150 $bin verify --fixtures tests/fixtures --backend cuda > $out/verify_cuda.log 2>&1; echo "exit $?"
+    grep "all cases" $out/verify_cuda.log; tail -1 $out/verify_cuda.log ;;
   lora)
     echo "== MoE workbench (LoRA)"
     timeout 200 ./.device/dev_moe_bench lora > $out/moe_bench_lora.log 2>&1; echo "exit $?"

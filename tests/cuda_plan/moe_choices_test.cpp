@@ -54,8 +54,22 @@ TEST(MoeChoices, DefaultsAreTheMeasuredFastestPaths) {
   EXPECT_TRUE(t.lora_in_gemm);  // 4 tokens per expert: the gate_up expand in the GEMM's epilogue
   MoeProblem big{.T = 256, .k = 8, .E = 128, .H = 2048, .I = 768};
   EXPECT_FALSE(choose_moe_tuning(big).lora_in_gemm);  // 16 per expert: its own kernel measured faster
-  // The down expand inside moe_reduce is not measured yet: never chosen, at any batch.
-  for (int T : {1, 8, 64, 256}) EXPECT_FALSE(choose_moe_tuning(MoeProblem{.T = T, .k = 8, .E = 128, .H = 2048, .I = 768}).lora_down_in_reduce) << T;
+}
+
+// The LoRA items and the down expand's place follow pairs per expert (H100 `dev_moe_bench direct`,
+// 2026-12-06): per pair up to 2 (Qwen3: 32 tokens), the down expand inside moe_reduce from 1 (16
+// tokens), each kernel's own form elsewhere.
+TEST(MoeChoices, LoraItemsAndDownExpandFollowPairsPerExpert) {
+  auto at = [](int T, int k, int E) { return choose_moe_tuning(MoeProblem{.T = T, .k = k, .E = E, .H = 2048, .I = 768}); };
+  for (int T : {1, 2, 8, 32}) EXPECT_TRUE(at(T, 8, 128).lora_direct) << T;
+  for (int T : {33, 64, 256}) EXPECT_FALSE(at(T, 8, 128).lora_direct) << T;
+  for (int T : {1, 4, 8, 15}) EXPECT_FALSE(at(T, 8, 128).lora_down_in_reduce) << T;
+  for (int T : {16, 32, 64, 256}) EXPECT_TRUE(at(T, 8, 128).lora_down_in_reduce) << T;
+  // Mixtral's 8 experts, top 2: a quarter of a pair per expert per token.
+  EXPECT_TRUE(at(8, 2, 8).lora_direct);
+  EXPECT_FALSE(at(9, 2, 8).lora_direct);
+  EXPECT_FALSE(at(3, 2, 8).lora_down_in_reduce);
+  EXPECT_TRUE(at(4, 2, 8).lora_down_in_reduce);
 }
 
 TEST(MoeChoices, Fp8ActivationsOnlyWhenAllowedAndOnlyWhereTheyWereFaster) {

@@ -18,6 +18,19 @@ constexpr int kFuseRouteMaxK = 32;   // E <= 256 and k <= 32
 // that reads each (slot, expert) B once for a whole tile. Between (T = 4 to 32) they are within
 // 3.3 us either way.
 constexpr double kMoeLoraInGemmMaxPerExpert = 8.0;
+// The LoRA kernels on one item per routed pair up to this many pairs per expert, moe_align's
+// (slot, expert) groups above; the down expand inside moe_reduce from kMoeLoraDownInReduceMinPerExpert
+// up. H100 (`dev_moe_bench direct`, 2026-12-06, Qwen3-30B-A3B shapes, r 16, graph replay, us;
+// bench/logs/2026-12-06-h100-moe-direct.log), grouped -> per pair, 1 / 8 adapters: T = 1 65.9 ->
+// 57.3 / 66.0 -> 57.2, 8 151.8 -> 144.0 / 161.2 -> 144.7, 32 261.6 -> 255.5 / 276.6 -> 263.3, but
+// 64 295.7 -> 303.9 / 326.4 -> 314.8 and 256 399.2 -> 563.2 / 477.1 -> 582.5: a per-pair item
+// reads its B rows alone, a group reads them once for all its pairs, which pays once an expert
+// holds a few pairs of one adapter. Per pair with the down expand in moe_reduce, 8 adapters: T = 1
+// 61.3 (per pair alone 57.2), 8 145.3 (144.7), 16 193.2 (196.0), 32 257.5 (263.3), 64 301.2, 128
+// 355.2 (grouped 374.4); on the grouped items (H100, 2026-12-05) it won -1.5 to -4.9 % from 32 to
+// 256 tokens with 8 adapters, within 2 % with 1, and lost +7.5 % at 1 token.
+constexpr double kMoeLoraDirectMaxPerExpert = 2.0;
+constexpr double kMoeLoraDownInReduceMinPerExpert = 1.0;
 }  // namespace
 
 int moe_gemm_tile_rows(MoeGemmTile t) {
@@ -59,7 +72,10 @@ MoeTuning choose_moe_tuning(const MoeProblem& p) {
   t.lora_fused = false;
   // The gate_up expand in the GEMM's epilogue: one launch and the [P, 2I] delta's write and read
   // off the critical path (the delta must be complete before SwiGLU).
-  t.lora_in_gemm = static_cast<double>(p.T) * p.k / std::max(p.E, 1) <= kMoeLoraInGemmMaxPerExpert;
+  const double pairs_per_expert = static_cast<double>(p.T) * p.k / std::max(p.E, 1);
+  t.lora_in_gemm = pairs_per_expert <= kMoeLoraInGemmMaxPerExpert;
+  t.lora_direct = pairs_per_expert <= kMoeLoraDirectMaxPerExpert;
+  t.lora_down_in_reduce = pairs_per_expert >= kMoeLoraDownInReduceMinPerExpert;
   t.pdl = true;
   if (!moe_mma_shape_ok(p.H, p.I)) {
     // No tensor-core tile fits: the generic kernels, in bf16 activations whatever the operator

@@ -38,12 +38,12 @@ struct MoeTuning {
   // The down half's expand inside moe_reduce (only its shrink launches): the weighted sum adds
   // u . B of each pair itself instead of reading a [P, H] delta written by an expand kernel. Bit
   // for bit the expand kernel (same sums, same bf16 rounding); lora_fused is then ignored for the
-  // down half. Not chosen by choose_moe_tuning until measured on the GPU (tests and the workbench
-  // force it).
+  // down half. choose_moe_tuning picks it from one pair per expert up (measured, moe_choices.cpp).
   bool lora_down_in_reduce = false;
   // The LoRA kernels take one item per routed pair (its slot and expert read from token_slot and
   // ids) instead of moe_align's (slot, expert) groups: moe_align skips the LoRA grouping and the
   // LoRA grids are sized by the step's pairs. Same bits either way (moe_lora.cuh, MoeLoraPairs).
+  // choose_moe_tuning picks it up to two pairs per expert (measured, moe_choices.cpp).
   bool lora_direct = false;
   bool pdl = true;          // programmatic dependent launch between consecutive kernels
   // FP8 experts only: W8A8 (activations quantised per token per 128 channels, e4m3 MMA) instead
