@@ -16,6 +16,8 @@ strip --strip-debug "$build/tools/moelora" -o "$root/.device/moelora"
 strip --strip-debug "$build/tests/ops/moelora_op_suite" -o "$root/.device/moelora_op_suite"
 # The workbenches, when they were built: MoE (dev/moe_bench.cu).
 [ -x "$build/dev/dev_moe_bench" ] && strip --strip-debug "$build/dev/dev_moe_bench" -o "$root/.device/dev_moe_bench"
+# The whole MoE block through the forward pass (dev/moe_block.cu).
+[ -x "$build/dev/dev_moe_block" ] && strip --strip-debug "$build/dev/dev_moe_block" -o "$root/.device/dev_moe_block"
 # The sampler (dev/sampling.cu) and attention (dev/attention.cu).
 [ -x "$build/dev/dev_sampling" ] && strip --strip-debug "$build/dev/dev_sampling" -o "$root/.device/dev_sampling"
 [ -x "$build/dev/dev_attention" ] && strip --strip-debug "$build/dev/dev_attention" -o "$root/.device/dev_attention"

@@ -34,6 +34,9 @@
 #            per-pair cases, `dev_moe_bench direct`
 #   loradefault the MoE LoRA op cases, `dev_moe_bench direct`, the decode step (0 and 8 adapters)
 #            and verify on choose_moe_tuning's LoRA defaults of 2026-12-06
+#   moeblock the whole MoE block (router, top-k, routed and shared experts, LoRA) as the forward pass
+#            runs it, `dev_moe_block` at Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 shapes, 0 and 8
+#            adapters (JSON records to $out/moe_block_records.jsonl)
 #   lora     `dev_moe_bench lora`: the LoRA expands inside the base kernels (gate_up in the GEMM's
 #            epilogue, down in moe_reduce) vs their own kernels, bit for bit, then timed with 1 and 8
 #            adapters (run `moeops lora` for the op cases too)
@@ -293,6 +296,10 @@ PY
     echo "== verify cuda"
     timeout 150 $bin verify --fixtures tests/fixtures --backend cuda > $out/verify_cuda.log 2>&1; echo "exit $?"
     grep "all cases" $out/verify_cuda.log; tail -1 $out/verify_cuda.log ;;
+  moeblock)
+    echo "== MoE block workbench"
+    timeout 400 ./.device/dev_moe_block --json $out/moe_block_records.jsonl > $out/moe_block.log 2>&1; echo "exit $?"
+    cat $out/moe_block.log ;;
   lora)
     echo "== MoE workbench (LoRA)"
     timeout 200 ./.device/dev_moe_bench lora > $out/moe_bench_lora.log 2>&1; echo "exit $?"

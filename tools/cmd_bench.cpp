@@ -4,15 +4,16 @@
 // bandwidth; docs/floors.md).
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <filesystem>
 
 #include <fmt/format.h>
 
 #include "io/mapped_file.h"
+#include "lora/random_adapter.h"
 #include "model/archs.h"
 #include "model/model.h"
+#include "model/step_floor.h"
 #include "runtime/backend_factory.h"
 #include "tools/bench_record.h"
 #include "tools/commands.h"
@@ -48,85 +49,6 @@ struct Timing {
   double wall_us = 0;  // median over the timed steps
   double host_us = 0;  // median of wall minus time blocked on the device
 };
-
-// Random LoRA factors for every dense projection and the routed experts of every layer.
-struct RandomAdapters {
-  std::vector<std::unique_ptr<LoraModuleTable>> dense;
-  std::vector<std::unique_ptr<MoeLoraTable>> experts;
-  std::vector<Tensor> keep;
-  LoraTables tables;
-};
-
-RandomAdapters make_adapters(const ModelConfig& c, Backend& b, int slots, int rank) {
-  RandomAdapters r;
-  r.tables.resize(c.num_layers);
-  const DType dt = b.lora_dtype();
-  uint64_t seed = 1000;
-  auto rnd = [&](std::vector<int64_t> shape) {
-    Tensor t = b.random_tensor(dt, shape, ++seed, 0.01f);
-    r.keep.push_back(t);
-    return t;
-  };
-  for (int l = 0; l < c.num_layers; ++l) {
-    for (int t = 0; t < kNumLoraTargets; ++t) {
-      auto [in, out] = lora_target_shape(c, l, static_cast<LoraTarget>(t));
-      if (in == 0) continue;
-      r.dense.push_back(std::make_unique<LoraModuleTable>(b.alloc_lora_table(slots, in, out)));
-      for (int s = 0; s < slots; ++s) b.set_lora_slot(*r.dense.back(), s, rnd({rank, in}), rnd({out, rank}), rank);
-      r.tables[l].dense[t] = r.dense.back().get();
-    }
-    if (!c.layer_is_moe[l]) continue;
-    const int64_t E = c.num_experts, H = c.hidden_size, I = c.moe_intermediate_size;
-    r.experts.push_back(std::make_unique<MoeLoraTable>(b.alloc_moe_lora_table(slots, c.num_experts, c.hidden_size,
-                                                                              c.moe_intermediate_size)));
-    for (int s = 0; s < slots; ++s) {
-      Backend::MoeLoraSlot m;
-      m.gu_a = rnd({E, rank, H});
-      m.gu_b = rnd({E, 2 * I, rank});
-      m.d_a = rnd({E, rank, I});
-      m.d_b = rnd({E, H, rank});
-      m.gu_rank = m.d_rank = rank;
-      m.gu_a_stride = rank * H;
-      m.gu_b_stride = 2 * I * rank;
-      m.d_a_stride = rank * I;
-      m.d_b_stride = H * rank;
-      b.set_moe_lora_slot(*r.experts.back(), s, m);
-    }
-    r.tables[l].experts = r.experts.back().get();
-  }
-  return r;
-}
-
-// Bytes a decode step must read at least (docs/floors.md, with our LoRA layout).
-double floor_bytes(const ModelConfig& c, const KvShape& kv, int B, int N, int rank, int context) {
-  // What the device holds: FP8 stays FP8 and NVFP4 4-bit (codes and group scales: the CUDA kernels
-  // take every bench config's shapes); the lm_head (never quantised by the exports) bf16.
-  const double wbytes = c.weight_format.is_dense() ? 2.0 : c.weight_format.bytes_per_weight();
-  const double H = c.hidden_size, E = c.num_experts, k = c.top_k, I = c.moe_intermediate_size;
-  auto distinct = [&](double tokens) { return E * (1.0 - std::pow(1.0 - k / E, tokens)); };
-  double total = 2.0 * c.vocab_size * H;  // bf16 lm_head
-  const int n_eff = std::min(N, B);
-  for (int l = 0; l < c.num_layers; ++l) {
-    double attn = 0, lora_dense = 0;
-    for (int t = 0; t < kNumLoraTargets; ++t) {
-      auto [in, out] = lora_target_shape(c, l, static_cast<LoraTarget>(t));
-      if (in == 0) continue;
-      attn += static_cast<double>(in) * out * wbytes;
-      lora_dense += 2.0 * rank * (in + out);
-    }
-    total += attn + n_eff * lora_dense;
-    if (c.layer_is_moe[l]) {
-      total += 2.0 * E * H + distinct(B) * 3 * H * I * wbytes;
-      // Each adapter's tokens touch their own experts: sum over adapters of D(tokens of adapter).
-      double pairs = 0;
-      for (int a = 0; a < n_eff; ++a) pairs += distinct(static_cast<double>(B) / n_eff);
-      total += pairs * 2.0 * rank * (2 * H + 3 * I);
-    }
-  }
-  // The cache as the model holds it (Model::kv_shape: per-head K and V, or an MLA latent).
-  total += static_cast<double>(B) * context * c.num_layers * static_cast<double>(kv.values_per_token()) * 2.0;
-  return total;
-}
 
 int run(Args a) {
   std::string path = a.config;
@@ -171,7 +93,7 @@ int run(Args a) {
     std::fprintf(stderr, "moelora bench: --adapters %d --rank %d: %s\n", max_n, a.rank, st.message().c_str());
     return 2;
   }
-  RandomAdapters ad = make_adapters(c, b, std::max(1, max_n), a.rank);
+  DeviceRandomAdapters ad = make_device_random_adapters(c, b, std::max(1, max_n), a.rank);
   const int max_b = *std::max_element(a.batches.begin(), a.batches.end());
   const int page = 16, per_seq = (a.context + a.iters + 8 + std::max(a.prefill, 1)) / page + 2;
   auto kv = model->alloc_kv_cache(per_seq * max_b, page);
@@ -250,7 +172,8 @@ int run(Args a) {
       const Timing logits_only = measure(StepKind::kLogits);
       const Timing kernels = measure(StepKind::kKernels);
       const double med = sampled.wall_us;
-      const double floor_us = floor_bytes(c, model->kv_shape(), B, N, a.rank, a.context) / (a.hbm_tbps * 1e12) * 1e6;
+      const double floor_us =
+          decode_step_floor_bytes(c, model->kv_shape(), B, N, a.rank, a.context) / (a.hbm_tbps * 1e12) * 1e6;
       std::printf("%6d %9d %12.1f %12.0f %12.1f %10.2f %12.1f %12.1f %10.1f %9.3f\n", B, N, med, B / (med * 1e-6),
                   floor_us, med / floor_us, logits_only.wall_us, kernels.wall_us, sampled.host_us,
                   med / logits_only.wall_us);

@@ -75,4 +75,44 @@ std::shared_ptr<const LoraAdapter> make_random_adapter(const ModelConfig& cfg, c
   return a;
 }
 
+DeviceRandomAdapters make_device_random_adapters(const ModelConfig& c, Backend& b, int slots, int rank, uint64_t seed,
+                                                 float scale) {
+  DeviceRandomAdapters r;
+  r.tables.resize(c.num_layers);
+  const DType dt = b.lora_dtype();
+  auto rnd = [&](std::vector<int64_t> shape) {
+    Tensor t = b.random_tensor(dt, shape, ++seed, scale);
+    r.keep.push_back(t);
+    return t;
+  };
+  for (int l = 0; l < c.num_layers; ++l) {
+    for (int t = 0; t < kNumLoraTargets; ++t) {
+      auto [in, out] = lora_target_shape(c, l, static_cast<LoraTarget>(t));
+      if (in == 0) continue;
+      r.dense.push_back(std::make_unique<LoraModuleTable>(b.alloc_lora_table(slots, in, out)));
+      for (int s = 0; s < slots; ++s) b.set_lora_slot(*r.dense.back(), s, rnd({rank, in}), rnd({out, rank}), rank);
+      r.tables[l].dense[t] = r.dense.back().get();
+    }
+    if (!c.layer_is_moe[l]) continue;
+    const int64_t E = c.num_experts, H = c.hidden_size, I = c.moe_intermediate_size;
+    r.experts.push_back(std::make_unique<MoeLoraTable>(b.alloc_moe_lora_table(slots, c.num_experts, c.hidden_size,
+                                                                              c.moe_intermediate_size)));
+    for (int s = 0; s < slots; ++s) {
+      Backend::MoeLoraSlot m;
+      m.gu_a = rnd({E, rank, H});
+      m.gu_b = rnd({E, 2 * I, rank});
+      m.d_a = rnd({E, rank, I});
+      m.d_b = rnd({E, H, rank});
+      m.gu_rank = m.d_rank = rank;
+      m.gu_a_stride = rank * H;
+      m.gu_b_stride = 2 * I * rank;
+      m.d_a_stride = rank * I;
+      m.d_b_stride = H * rank;
+      b.set_moe_lora_slot(*r.experts.back(), s, m);
+    }
+    r.tables[l].experts = r.experts.back().get();
+  }
+  return r;
+}
+
 }  // namespace moelora

@@ -45,6 +45,13 @@ class Body {
     return logits;
   }
 
+  Tensor moe_of_layer(int l, const Tensor& x) {
+    const LayerWeights& lw = w_.layers[l];
+    MOELORA_CHECK_MSG(lw.is_moe, "layer {} is not a MoE layer", l);
+    layer_lora_ = lora_ ? &(*lora_)[l] : nullptr;
+    return moe(lw, x);
+  }
+
  private:
   const LoraModuleTable* tab(LoraTarget t) const { return layer_lora_ ? layer_lora_->get(t) : nullptr; }
 
@@ -216,6 +223,11 @@ class Body {
 
 Tensor forward_body(const ForwardModel& m, const StepBatch& step, std::vector<KvLayer>& kv, const LoraTables* lora) {
   return Body(m, lora).run(step, kv);
+}
+
+Tensor moe_block(const ForwardModel& m, int layer, const Tensor& x, const LoraTables* lora) {
+  MOELORA_CHECK_MSG(layer >= 0 && layer < m.cfg.num_layers, "layer {} of {}", layer, m.cfg.num_layers);
+  return Body(m, lora).moe_of_layer(layer, x);
 }
 
 }  // namespace moelora

@@ -30,4 +30,10 @@ struct ForwardModel {
 // heads. `lora` may be null (no adapters).
 Tensor forward_body(const ForwardModel& m, const StepBatch& step, std::vector<KvLayer>& kv, const LoraTables* lora);
 
+// The MLP of MoE layer `layer` as forward_body runs it, for its normed input x [T, hidden]: router
+// logits, top-k (softmax, or DeepSeek's grouped sigmoid with its bias), the routed experts and the
+// shared ones, with their LoRA from `lora` (may be null). Returns the block's output [T, hidden]
+// (before the residual add). The MoE block workbench (dev/moe_block.cu) times it alone.
+Tensor moe_block(const ForwardModel& m, int layer, const Tensor& x, const LoraTables* lora);
+
 }  // namespace moelora

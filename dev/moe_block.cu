@@ -1,0 +1,223 @@
+// Workbench: the whole MoE block as the forward pass runs it (model/forward_pass.h moe_block: the
+// router GEMM, top-k softmax or DeepSeek's grouped sigmoid with its bias, the routed experts, the
+// shared experts, their LoRA) at Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 shapes
+// (bench/configs), random weights made by Model::random, 8 random adapters of rank 16 on every
+// target. Where dev_moe_bench times the routed experts' kernels alone, this is what one MoE layer
+// of a decode step costs, CudaBackend's choices and all.
+//
+// Each step is the real step machinery (begin_step / end_step_body: padding to a graph bucket,
+// capture, replay): embed, then L MoE blocks, each followed by the residual add fused with the next
+// block's norm (Backend::add_rmsnorm, as the forward pass fuses it). The blocks belong to L layers
+// with their own weights, L chosen so that the experts the other L - 1 layers touch at one token
+// exceed twice the L2: a replay reads each block's experts from HBM, not from the previous
+// replay's L2 lines. Timed: `iters` identical steps queued back to back on the device clock
+// (Backend::device_timer_*), per block = step / L (the one embedding lookup per step and the gap
+// between graph launches are spread over the L blocks). Checked: the replayed output equals the
+// eager step's, bit for bit.
+//
+// Floor (model/step_floor.h moe_block_floor_bytes): router, the expected distinct experts, shared
+// experts and the LoRA factors of each adapter's experts, over the copy bandwidth measured in this
+// run. The peers' figures (vLLM fused_moe) are the routed experts alone: compare them with
+// dev_moe_bench, this with the decode step.
+//
+//   dev_moe_block [qwen3|mixtral|deepseek ...] [--iters N] [--json FILE]
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/device_info.h"
+#include "core/tensor.h"
+#include "io/mapped_file.h"
+#include "lora/random_adapter.h"
+#include "model/forward_pass.h"
+#include "model/model.h"
+#include "model/model_config.h"
+#include "model/step_floor.h"
+#include "gpukit/timing.h"
+
+using namespace moelora;
+
+namespace {
+
+constexpr int kAdapters = 8, kRank = 16, kPageSize = 16;
+const int kTokens[] = {1, 8, 64, 128, 256};
+
+struct Shape {
+  const char* name;
+  const char* config;  // under bench/configs
+};
+const Shape kShapes[] = {{"qwen3", "qwen3-30b-a3b-fp8.json"},
+                         {"mixtral", "mixtral-8x7b-fp8.json"},
+                         {"deepseek", "deepseek-v3-fp8.json"}};
+
+// Layers such that the experts the other ones touch at one token exceed 2x the L2 (at least 2).
+int layers_for(const ModelConfig& c, size_t l2_bytes) {
+  const double touched = static_cast<double>(c.top_k) * 3.0 * c.hidden_size * c.moe_intermediate_size *
+                         c.weight_format.bytes_per_weight();
+  return 1 + std::max(1, static_cast<int>(std::ceil(2.0 * static_cast<double>(l2_bytes) / touched)));
+}
+
+StepBatch decode_batch(int T, int adapters, int vocab) {
+  StepBatch s;
+  for (int t = 0; t < T; ++t) {
+    s.token_ids.push_back((t * 7919 + 13) % vocab);
+    s.positions.push_back(0);
+    s.token_seq.push_back(t);
+    s.token_slot.push_back(adapters > 0 ? t % adapters : -1);
+    s.seq_pages.push_back({t});
+    s.logit_rows.push_back(t);
+  }
+  return s;
+}
+
+std::vector<float> host_values(Backend& b, const Tensor& t) {
+  Tensor h = b.to_host_f32(t);
+  const float* p = h.ptr<float>();
+  return std::vector<float>(p, p + h.numel());
+}
+
+int run_shape(const Shape& shape, int iters, double copy_gbps, size_t l2_bytes, std::ofstream* json) {
+  const std::string path = std::string("bench/configs/") + shape.config;
+  auto text = read_text_file(path);
+  if (!text.ok()) {
+    std::fprintf(stderr, "%s: %s (run from the repository root)\n", path.c_str(), text.status().message().c_str());
+    return 2;
+  }
+  auto parsed = parse_model_config(*text, path);
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "%s\n", parsed.status().message().c_str());
+    return 2;
+  }
+  ModelConfig c = *parsed;
+  const int L = layers_for(c, l2_bytes);
+  c.num_layers = L;
+  c.layer_is_moe.assign(L, true);
+
+  CudaBackend b;
+  auto made = Model::random(c, b, 7);
+  if (!made.ok()) {
+    std::fprintf(stderr, "%s: %s\n", shape.name, made.status().message().c_str());
+    return 2;
+  }
+  std::unique_ptr<Model> model = std::move(made).value();
+  ModelShapes with_adapters = model->shapes();
+  with_adapters.lora_slots = kAdapters;
+  with_adapters.max_lora_rank = kRank;
+  if (Status st = b.check_model_shapes(with_adapters); !st.ok()) {
+    std::fprintf(stderr, "%s: %s\n", shape.name, st.message().c_str());
+    return 2;
+  }
+  DeviceRandomAdapters ad = make_device_random_adapters(c, b, kAdapters, kRank);
+  // The MoE blocks read no KV, but decode steps are captured only once a cache exists (its
+  // reserved padding page).
+  std::vector<KvLayer> kv = model->alloc_kv_cache(256 + 1, kPageSize);
+  (void)kv;
+  const RopeTable rope = make_rope_table(c);
+  SingleDeviceContext single(c);
+  const ForwardModel fm{model->config(), model->weights(), rope, b, single, model->mla_absorbed()};
+  const ModelWeights& w = model->weights();
+  const float eps = static_cast<float>(c.rms_norm_eps);
+
+  std::printf("\n## %s (%s): H %d, %d experts top-%d, I %d%s, router %s; %d layers per step; %s\n", shape.name,
+              shape.config, c.hidden_size, c.num_experts, c.top_k, c.moe_intermediate_size,
+              c.n_shared_experts > 0 ? (", " + std::to_string(c.n_shared_experts) + " shared").c_str() : "",
+              c.router == RouterKind::kSigmoidGroupTopK ? "grouped sigmoid + bias" : "softmax", L,
+              c.weight_format.describe().c_str());
+  std::printf("%6s %9s %12s %12s %9s %10s %s\n", "tokens", "adapters", "block_us", "floor_us", "x_floor", "lora_tax",
+              "replay == eager");
+  for (int T : kTokens) {
+    double base_us = 0;
+    for (int N : {0, kAdapters}) {
+      const StepBatch batch = decode_batch(T, N, c.vocab_size);
+      const LoraTables* tables = N > 0 ? &ad.tables : nullptr;
+      auto step = [&]() -> Tensor {
+        const StepBatch& s = b.begin_step(batch);
+        if (b.step_mode() == Backend::StepMode::kReplay) return b.step_output();
+        const int Tp = s.num_tokens();
+        Tensor h = b.alloc_act(Tp, c.hidden_size);
+        single.embed(b, s, w.embed, h);
+        Tensor x = b.alloc_act(Tp, c.hidden_size);
+        b.rmsnorm(h, w.layers[0].post_attention_norm, eps, x);
+        for (int l = 0; l < L; ++l) {
+          const size_t mark = b.scratch_mark();
+          Tensor m = moe_block(fm, l, x, tables);
+          if (l + 1 < L)
+            b.add_rmsnorm(m, h, w.layers[l + 1].post_attention_norm, eps, x);
+          else
+            b.add(m, h);
+          b.scratch_release(mark);
+        }
+        b.end_step_body(h);
+        return h;
+      };
+      // Eager (warm-up), capture, then a replay: the replay's output must be the eager one's.
+      const std::vector<float> eager = host_values(b, step().slice_rows(0, T));
+      (void)step();
+      const std::vector<float> replayed = host_values(b, step().slice_rows(0, T));
+      const bool same = eager.size() == replayed.size() &&
+                        std::memcmp(eager.data(), replayed.data(), eager.size() * sizeof(float)) == 0;
+      b.synchronize();
+      b.device_timer_begin();
+      for (int it = 0; it < iters; ++it) (void)step();
+      const double block_us = b.device_timer_end_us() / iters / L;
+      (void)b.take_device_wait_seconds();
+      const double floor_us = moe_block_floor_bytes(c, 0, T, N, kRank) / (copy_gbps * 1e3);
+      if (N == 0) base_us = block_us;
+      const double tax = N > 0 ? (block_us / base_us - 1.0) * 100.0 : 0.0;
+      std::printf("%6d %9d %12.1f %12.1f %9.2f %9.0f%% %s\n", T, N, block_us, floor_us, block_us / floor_us, tax,
+                  same ? "yes" : "NO");
+      std::fflush(stdout);
+      if (json) {
+        nlohmann::json r = {{"bench", "moe_block"}, {"model", shape.config},  {"layers", L},
+                            {"batch", T},           {"adapters", N},          {"rank", kRank},
+                            {"block_us", block_us}, {"floor_us", floor_us},   {"x_floor", block_us / floor_us},
+                            {"lora_tax_pct", tax},  {"copy_gbps", copy_gbps}, {"replay_equals_eager", same},
+                            {"gpu", b.device_description()}};
+        *json << r.dump() << "\n";
+      }
+      if (!same) return 1;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<const Shape*> shapes;
+  int iters = 20;
+  std::string json_path;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--iters" && i + 1 < argc) {
+      iters = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--json" && i + 1 < argc) {
+      json_path = argv[++i];
+    } else {
+      const Shape* found = nullptr;
+      for (const Shape& s : kShapes)
+        if (a == s.name) found = &s;
+      if (!found) {
+        std::fprintf(stderr, "usage: dev_moe_block [qwen3|mixtral|deepseek ...] [--iters N] [--json FILE]\n");
+        return 2;
+      }
+      shapes.push_back(found);
+    }
+  }
+  if (shapes.empty())
+    for (const Shape& s : kShapes) shapes.push_back(&s);
+  const double copy_gbps = gpukit::print_ceilings("moe_block");
+  const size_t l2 = cuda::query_device().l2_bytes;
+  std::ofstream json;
+  if (!json_path.empty()) json.open(json_path, std::ios::app);
+  int rc = 0;
+  for (const Shape* s : shapes) rc = std::max(rc, run_shape(*s, iters, copy_gbps, l2, json_path.empty() ? nullptr : &json));
+  return rc;
+}
