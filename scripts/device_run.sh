@@ -36,7 +36,8 @@
 #            and verify on choose_moe_tuning's LoRA defaults of 2026-12-06
 #   moeblock the whole MoE block (router, top-k, routed and shared experts, LoRA) as the forward pass
 #            runs it, `dev_moe_block` at Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 shapes, 0 and 8
-#            adapters (JSON records to $out/moe_block_records.jsonl)
+#            adapters (JSON records to $out/moe_block_records.jsonl), DeepSeek's shared experts after
+#            and beside the routed ones; verify on the DeepSeek fixtures with them beside
 #   lora     `dev_moe_bench lora`: the LoRA expands inside the base kernels (gate_up in the GEMM's
 #            epilogue, down in moe_reduce) vs their own kernels, bit for bit, then timed with 1 and 8
 #            adapters (run `moeops lora` for the op cases too)
@@ -299,7 +300,12 @@ PY
   moeblock)
     echo "== MoE block workbench"
     timeout 400 ./.device/dev_moe_block --json $out/moe_block_records.jsonl > $out/moe_block.log 2>&1; echo "exit $?"
-    cat $out/moe_block.log ;;
+    cat $out/moe_block.log
+    echo "== verify cuda, DeepSeek-V3 fixtures, shared experts concurrent (graphs, then eager)"
+    for g in "" --no-graphs; do
+      timeout 100 $bin verify --fixtures tests/fixtures/deepseekv3 --backend cuda --shared-experts-concurrent $g \
+        > $out/verify_shared_concurrent$g.log 2>&1; echo "exit $?"; tail -1 $out/verify_shared_concurrent$g.log
+    done ;;
   lora)
     echo "== MoE workbench (LoRA)"
     timeout 200 ./.device/dev_moe_bench lora > $out/moe_bench_lora.log 2>&1; echo "exit $?"

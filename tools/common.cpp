@@ -71,6 +71,9 @@ void add_cuda_backend_flags(CLI::App* cmd, BackendOptions& o) {
   cmd->add_flag("!--no-kv-write-in-head-pass", o.cuda_kv_write_in_head_pass,
                 "CUDA: write this step's k and v into the KV cache with a launch of their own before attention, "
                 "instead of from the RoPE (or head-norm + RoPE) launch");
+  cmd->add_flag("--shared-experts-concurrent", o.cuda_shared_experts_concurrent,
+                "CUDA: run a MoE layer's shared experts (DeepSeek) on a stream of their own, beside the routed "
+                "experts, instead of after them (not yet timed: off by default)");
 }
 
 }  // namespace moelora::tools

@@ -15,13 +15,15 @@ void SingleDeviceContext::row_linear(Backend& b, const Tensor& x, const LinearWe
 Tensor SingleDeviceContext::moe_sum(Backend& b, const MoeBlockInputs& in, LazyTensor shared_act) {
   const int64_t T = in.x.rows(), H = in.x.cols();
   Tensor out = b.alloc_act(T, H);
-  b.moe(in.x, in.ids, in.weights, in.experts, in.expert_lora, out);
-  if (in.shared_down != nullptr) {
-    const Tensor g = shared_act();
-    Tensor shared = b.alloc_act(T, H);
-    b.linear(g, *in.shared_down, in.shared_down_lora, shared);
-    b.add(shared, out);
+  if (in.shared_down == nullptr) {
+    b.moe(in.x, in.ids, in.weights, in.experts, in.expert_lora, out);
+    return out;
   }
+  // The shared experts read only x, the routed ones x and the routing: the backend may overlap them.
+  Tensor shared = b.alloc_act(T, H);
+  b.concurrently([&] { b.linear(shared_act(), *in.shared_down, in.shared_down_lora, shared); },
+                 [&] { b.moe(in.x, in.ids, in.weights, in.experts, in.expert_lora, out); });
+  b.add(shared, out);
   return out;
 }
 

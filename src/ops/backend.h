@@ -3,6 +3,7 @@
 // interface. The math of every op is stated here; backends/cpu is its executable form.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -211,6 +212,14 @@ class Backend {
   //   out[t] = sum_j weights[t, j] * d(e = ids[t, j])                    (out overwritten)
   virtual void moe(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,
                    const MoeLoraTable* lora, Tensor out) = 0;
+  // Issues `first`, then `second`, two pieces of work of which neither reads what the other
+  // writes (the forward pass: a MoE layer's shared experts, then its routed ones): both see
+  // everything issued before, everything issued after sees both. A backend may run them
+  // concurrently (CudaBackend with shared_experts_concurrent: `first` on a stream of its own).
+  virtual void concurrently(const std::function<void()>& first, const std::function<void()>& second) {
+    first();
+    second();
+  }
   // out[r] = x[batch.logit_rows[r]]
   virtual void gather_logit_rows(const Tensor& x, Tensor out) = 0;
   // DeepSeek MLA: from kv_b output [T, heads*(nope+v)] and the rotated k_pe [T, rope] build

@@ -29,7 +29,8 @@ CudaBackend::CudaBackend(const CudaBackendOptions& opts) : opts_(opts), meta_(st
   // Streams and events exist before any capture (creating them inside one is not allowed).
   MOELORA_CUDA_CHECK(cudaStreamCreateWithFlags(&main_, cudaStreamNonBlocking));
   MOELORA_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
-  for (cudaEvent_t* e : {&ev_ids_, &ev_gu_, &ev_act_, &ev_d_})
+  MOELORA_CUDA_CHECK(cudaStreamCreateWithFlags(&concurrent_, cudaStreamNonBlocking));
+  for (cudaEvent_t* e : {&ev_ids_, &ev_gu_, &ev_act_, &ev_d_, &ev_fork_, &ev_join_})
     MOELORA_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   // Kernel attributes (shared-memory limits) are set once here, never during a capture.
   cuda::lora_dense_prepare();
@@ -59,14 +60,16 @@ int CudaBackend::max_lora_rank() const { return cuda_plan::kMaxLoraRank; }
 CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(main_);
   cudaStreamSynchronize(side_);
+  cudaStreamSynchronize(concurrent_);
   // Placements may outlive the backend (a tool's slot pool): their frees stop waiting for main_.
   if (copier_) copier_->detach_main();
   if (meta_ && meta_->pinned) cudaFreeHost(meta_->pinned);
   if (meta_ && meta_->plan_pinned) cudaFreeHost(meta_->plan_pinned);
   if (arena_) cudaFree(arena_);
   for (const Spill& sp : spills_) cudaFree(sp.ptr);
-  for (cudaEvent_t e : {ev_ids_, ev_gu_, ev_act_, ev_d_, timer_begin_, timer_end_})
+  for (cudaEvent_t e : {ev_ids_, ev_gu_, ev_act_, ev_d_, ev_fork_, ev_join_, timer_begin_, timer_end_})
     if (e) cudaEventDestroy(e);
+  if (concurrent_) cudaStreamDestroy(concurrent_);
   if (side_) cudaStreamDestroy(side_);
   if (main_) cudaStreamDestroy(main_);
 }

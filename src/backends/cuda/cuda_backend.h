@@ -56,6 +56,9 @@ struct CudaBackendOptions {
   // instead of a cache-write launch before attention (`--no-kv-write-in-head-pass` turns it off).
   // H100, 2026-12-05: op suite and verify pass with it; decode step -0.2 to -2.3 % at 1 and 8 tokens.
   bool kv_write_in_head_pass = true;
+  // A MoE layer's shared experts (DeepSeek) on a stream of their own, beside the routed experts
+  // (Backend::concurrently; `--shared-experts-concurrent`). Off until dev_moe_block has timed it.
+  bool shared_experts_concurrent = false;
 };
 
 class CudaBackend final : public Backend {
@@ -120,6 +123,7 @@ class CudaBackend final : public Backend {
                             bool renormalize, float scaling, Tensor ids, Tensor weights) override;
   void moe(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,
            const MoeLoraTable* lora, Tensor out) override;
+  void concurrently(const std::function<void()>& first, const std::function<void()>& second) override;
   void gather_logit_rows(const Tensor& x, Tensor out) override;
   void mla_split_kv(const Tensor& kv, const Tensor& k_pe, int heads, int nope, int v_dim, Tensor k,
                     Tensor v) override;
@@ -215,6 +219,9 @@ class CudaBackend final : public Backend {
   CudaBackendOptions opts_;
   cudaStream_t main_ = nullptr, side_ = nullptr;
   cudaEvent_t ev_ids_ = nullptr, ev_gu_ = nullptr, ev_act_ = nullptr, ev_d_ = nullptr;
+  // Backend::concurrently's stream and its fork / join events.
+  cudaStream_t concurrent_ = nullptr;
+  cudaEvent_t ev_fork_ = nullptr, ev_join_ = nullptr;
   std::unique_ptr<cuda::DenseGemmContext> dense_;
   std::unique_ptr<cuda::LoraContext> lora_;
   // Arena.
