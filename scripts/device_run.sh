@@ -34,6 +34,8 @@
 #            per-pair cases, `dev_moe_bench direct`
 #   loradefault the MoE LoRA op cases, `dev_moe_bench direct`, the decode step (0 and 8 adapters)
 #            and verify on choose_moe_tuning's LoRA defaults of 2026-12-06
+#   firstrun the decode step on the LoRA defaults, moeblock's workbench, verify, `dev_moe_bench direct`,
+#            in one call (the 2026-12-07 session's first GPU run)
 #   moeblock the whole MoE block (router, top-k, routed and shared experts, LoRA) as the forward pass
 #            runs it, `dev_moe_block` at Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 shapes, 0 and 8
 #            adapters (JSON records to $out/moe_block_records.jsonl), DeepSeek's shared experts after
@@ -297,6 +299,26 @@ PY
     echo "== verify cuda"
     timeout 150 $bin verify --fixtures tests/fixtures --backend cuda > $out/verify_cuda.log 2>&1; echo "exit $?"
     grep "all cases" $out/verify_cuda.log; tail -1 $out/verify_cuda.log ;;
+  firstrun)
+    # One call (under 10 minutes) for what the 2026-12-07 session wrote and what aa14457's defaults
+    # still lacked, most needed first: the decode step on choose_moe_tuning's LoRA defaults (0 and 8
+    # adapters; also issue 9's step / logits ratios), the MoE block workbench, verify (graphs) and
+    # the DeepSeek fixtures with the shared experts beside the routed ones, then `dev_moe_bench direct`.
+    echo "== bench"
+    timeout 170 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8,64,256 \
+      --adapters 0,8 --rank 16 --iters 10 --json $out/bench_records.jsonl > $out/bench.log 2>&1; echo "exit $?"
+    grep -v "^\[" $out/bench.log | tail -12
+    echo "== MoE block workbench"
+    timeout 200 ./.device/dev_moe_block --iters 10 --json $out/moe_block_records.jsonl > $out/moe_block.log 2>&1
+    echo "exit $?"; cat $out/moe_block.log
+    echo "== verify cuda (graphs)"
+    timeout 90 $bin verify --fixtures tests/fixtures --backend cuda > $out/verify_cuda.log 2>&1; echo "exit $?"
+    tail -1 $out/verify_cuda.log
+    timeout 45 $bin verify --fixtures tests/fixtures/deepseekv3 --backend cuda --shared-experts-concurrent \
+      > $out/verify_shared_concurrent.log 2>&1; echo "exit $?"; tail -1 $out/verify_shared_concurrent.log
+    echo "== MoE workbench (LoRA items)"
+    timeout 60 ./.device/dev_moe_bench direct > $out/moe_bench_direct.log 2>&1; echo "exit $?"
+    grep -v "ok$" $out/moe_bench_direct.log ;;
   moeblock)
     echo "== MoE block workbench"
     timeout 400 ./.device/dev_moe_block --json $out/moe_block_records.jsonl > $out/moe_block.log 2>&1; echo "exit $?"
