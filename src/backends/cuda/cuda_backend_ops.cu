@@ -604,29 +604,6 @@ void CudaBackend::moe(const Tensor& x, const Tensor& ids, const Tensor& weights,
   cuda::moe_forward(a, ws, st);
 }
 
-// `first` runs on concurrent_, forked from main_ here and joined back into it at the end (event
-// fork / join, which graph capture records as the two branches of the step's graph). Every op
-// launches on main_, so main_ names concurrent_ while `first` issues its ops; nothing of `first`
-// may consume the routing recorded for `second`'s moe() (flush_route would launch it early, on
-// the wrong stream), which the forward pass's shared experts do not touch. Scratch of both comes
-// from the one arena: bump allocations never alias.
-void CudaBackend::concurrently(const std::function<void()>& first, const std::function<void()>& second) {
-  if (!opts_.shared_experts_concurrent) {
-    Backend::concurrently(first, second);
-    return;
-  }
-  const bool route_was_pending = route_pending_;
-  MOELORA_CUDA_CHECK(cudaEventRecord(ev_fork_, main_));
-  MOELORA_CUDA_CHECK(cudaStreamWaitEvent(concurrent_, ev_fork_, 0));
-  std::swap(main_, concurrent_);
-  first();
-  MOELORA_CUDA_CHECK(cudaEventRecord(ev_join_, main_));
-  std::swap(main_, concurrent_);
-  MOELORA_CHECK_MSG(route_pending_ == route_was_pending, "Backend::concurrently: the first work consumed a routing");
-  second();
-  MOELORA_CUDA_CHECK(cudaStreamWaitEvent(main_, ev_join_, 0));
-}
-
 void CudaBackend::gather_logit_rows(const Tensor& x, Tensor out) {
   cuda::GatherRowsParams p;
   p.x = x.data();
