@@ -15,7 +15,9 @@
 // batches. `dev_moe_bench regimes` runs only the checks, that sweep and the prefill shapes;
 // `dev_moe_bench lora` the LoRA expands inside the base kernels (gate_up GEMM epilogue, moe_reduce)
 // against their own kernels; `dev_moe_bench direct` the LoRA kernels per routed pair against
-// moe_align's (slot, expert) groups;
+// moe_align's (slot, expert) groups; `dev_moe_bench beside` the LoRA shrinks beside the grouped
+// GEMMs (one stream, the GEMMs waiting for them only before their epilogues) against the default
+// placement (those three modes live in dev/moe_bench_lora.cu);
 // `dev_moe_bench nvfp4` the same layer with NVFP4 experts (the 4-bit mma.sync variant) against
 // the CPU reference, its own 4-bit floor and the FP8 layer.
 #include <cuda_profiler_api.h>
@@ -28,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "dev/moe_bench.h"
 #include "gpukit/device_array.h"
 #include "gpukit/moe.h"
 #include "gpukit/numeric.h"
@@ -37,139 +40,10 @@
 using namespace moelora;
 using namespace moelora::cuda;
 using namespace moelora::gpukit;
+using namespace moelora::dev_moe_bench;
 
+namespace moelora::dev_moe_bench {
 namespace {
-
-constexpr int kH = 2048, kE = 128, kK = 8, kI = 768, kRank = 16, kSlots = 8, kMaxT = 256;
-const int kTokens[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
-
-struct Version {
-  const char* name;
-  bool pdl, fuse;
-  bool lora_fused = false;
-  int tile = -1;
-  bool one_stream = false;
-  int act8 = -1;  // -1: the heuristic's FP8 regime; 0: W8A16; 1: W8A8
-  int wgmma = -1;  // -1: the heuristic's kernel; 0: mma.sync; 1: the Hopper TMA + wgmma GEMM
-  int split = -1;  // wgmma W8A16: -1 the heuristic's; 0 weights dequantised; 1 split-form activations
-  int lora_gemm = -1;  // gate_up LoRA expand: -1 the heuristic's; 0 its own kernel; 1 in the GEMM epilogue
-  int lora_reduce = -1;  // down LoRA expand: -1 the heuristic's; 0 its own kernel; 1 inside moe_reduce
-  int lora_direct = -1;  // LoRA items: -1 the heuristic's; 0 moe_align's (slot, expert) groups; 1 one per pair
-  // The workspace carved for kMaxT tokens whatever T (this workbench before 2026-12-06: LoRA grids
-  // sized for 256 tokens); otherwise for the step's T, as CudaBackend::moe carves it.
-  bool max_workspace = false;
-};
-const Version kV1{"v1", false, false}, kV2{"v2", true, true}, kV3{"v3", true, true, true},
-    kV4{"v4", true, true, true, -1, true};
-
-struct Copy {
-  DeviceExperts ex;
-  DeviceLora lora;
-  DeviceArray<uint16_t> x, out;
-  DeviceArray<float> logits, w;
-  DeviceArray<int32_t> ids, slot1, slot8;
-};
-
-struct Bench {
-  MoeShape shape{kMaxT, kK, kE, kH, kI, /*fp8_activations=*/true, /*fp8_split=*/true};  // versions run every regime
-  HostExperts hex;
-  std::vector<HostLoraSlot> hl;
-  std::vector<Copy> copies;
-  std::vector<std::vector<float>> hx, hlogits;
-  DeviceArray<uint8_t> wsbuf;
-  MoeWorkspace ws;
-  cudaStream_t side;
-  cudaEvent_t ev[4];
-
-  void init(int ncopies, bool nvfp4 = false) {
-    hex.shape = shape;
-    hex.fp8 = !nvfp4;
-    hex.nvfp4 = nvfp4;
-    hex.generate(1234);
-    FastRng b(99);
-    for (int s = 0; s < kSlots; ++s) {
-      HostLoraSlot l;
-      l.gu_rank = l.d_rank = kRank;
-      generate_lora(l, shape, b);
-      hl.push_back(std::move(l));
-    }
-    copies.resize(ncopies);
-    std::vector<int32_t> s1(kMaxT, 0), s8(kMaxT);
-    for (int t = 0; t < kMaxT; ++t) s8[t] = t % kSlots;
-    for (int c = 0; c < ncopies; ++c) {
-      Copy& cp = copies[c];
-      cp.ex.upload(hex);
-      cp.lora.upload(hl, shape);
-      FastRng r(1000 + c);
-      std::vector<float> x(static_cast<size_t>(kMaxT) * kH), lg(static_cast<size_t>(kMaxT) * kE);
-      for (auto& v : x) v = bf16_to_f32(f32_to_bf16(r.normal()));
-      for (auto& v : lg) v = 2.0f * r.normal();
-      cp.x = DeviceArray<uint16_t>(to_bf16(x));
-      cp.out = DeviceArray<uint16_t>(static_cast<size_t>(kMaxT) * kH);
-      cp.logits = DeviceArray<float>(lg);
-      cp.ids = DeviceArray<int32_t>(static_cast<size_t>(kMaxT) * kK);
-      cp.w = DeviceArray<float>(static_cast<size_t>(kMaxT) * kK);
-      cp.slot1 = DeviceArray<int32_t>(s1);
-      cp.slot8 = DeviceArray<int32_t>(s8);
-      hx.push_back(std::move(x));
-      hlogits.push_back(std::move(lg));
-    }
-    MoeLoraShape ls{kSlots, kRank};
-    wsbuf = DeviceArray<uint8_t>(moe_workspace_bytes(shape, &ls));
-    ws = moe_workspace_carve(wsbuf.get(), shape, &ls);
-    MOELORA_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
-    for (auto& e : ev) MOELORA_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    moe_gemm_init();
-  }
-
-  // adapters: 0 = base, 1 = every token on slot 0, 8 = token t on slot t % 8.
-  void launch(cudaStream_t s, int c, int T, const Version& v, int adapters, MoeStage last = MoeStage::kAll) {
-    Copy& cp = copies[c];
-    MoeForwardArgs a;
-    a.T = T;
-    a.x = reinterpret_cast<const bf16*>(cp.x.get());
-    a.ldx = kH;
-    a.logits = cp.logits.get();
-    a.router.mode = RouterMode::kSoftmax;
-    a.router.renormalize = true;  // Qwen3-MoE norm_topk_prob
-    a.ids = cp.ids.get();
-    a.weights = cp.w.get();
-    a.wtype = hex.nvfp4 ? MoeWeightType::kNvfp4 : MoeWeightType::kFp8;
-    a.w_gate_up = cp.ex.gu.get();
-    a.s_gate_up = cp.ex.gu_s.get();
-    a.w_down = cp.ex.d.get();
-    a.s_down = cp.ex.d_s.get();
-    a.group_scale_gate_up = cp.ex.gu_g.get();
-    a.global_scale_gate_up = cp.ex.gu_gs.get();
-    a.group_scale_down = cp.ex.d_g.get();
-    a.global_scale_down = cp.ex.d_gs.get();
-    MoeShape step_shape = shape;
-    if (!v.max_workspace) step_shape.max_tokens = std::max(T, 1);
-    const MoeLoraShape ls{kSlots, kRank};
-    ws = moe_workspace_carve(wsbuf.get(), step_shape, &ls);  // fits: wsbuf is sized for kMaxT
-    a.shape = step_shape;
-    a.lora = adapters ? &cp.lora.dev : nullptr;
-    a.token_slot = adapters == 1 ? cp.slot1.get() : adapters == 8 ? cp.slot8.get() : nullptr;
-    a.out = reinterpret_cast<bf16*>(cp.out.get());
-    a.ldo = kH;
-    a.tuning = moe_tuning(a);  // the product's choices, with what the version forces
-    a.tuning->pdl = v.pdl;
-    a.tuning->fuse_route = a.tuning->fuse_route && v.fuse;
-    a.tuning->lora_fused = v.lora_fused;
-    if (v.tile >= 0) a.tuning->tile = static_cast<MoeGemmTile>(v.tile);
-    if (v.act8 >= 0) a.tuning->act_fp8 = v.act8 == 1;
-    if (v.wgmma >= 0) a.tuning->wgmma = v.wgmma == 1;
-    else if (a.tuning->act_fp8) a.tuning->wgmma = false;  // a forced W8A8 version on the mma.sync kernels
-    if (v.split >= 0) a.tuning->act_split = v.split == 1;
-    if (v.lora_gemm >= 0) a.tuning->lora_in_gemm = v.lora_gemm == 1;
-    if (v.lora_reduce >= 0) a.tuning->lora_down_in_reduce = v.lora_reduce == 1;
-    if (v.lora_direct >= 0) a.tuning->lora_direct = v.lora_direct == 1;
-    MoeStreams st{s, v.one_stream ? nullptr : side, ev[0], ev[1], ev[2], ev[3]};
-    moe_forward_prefix(a, ws, st, last);
-  }
-
-  std::vector<float> out_of(int c, int T) { return from_bf16(copies[c].out.download(static_cast<size_t>(T) * kH)); }
-};
 
 // SM-driven streaming ceilings (the graph memcpy node of gpukit's measure_copy_gbps read 2.7 TB/s
 // on run 1, below what kernels reach): copy (read + write) and read-only, 4 x 16-byte loads in
@@ -263,6 +137,8 @@ void prefill_table(Bench& b) {
 
 }
 
+}  // namespace
+
 // Worst row error of copy 0's output of T tokens (`out`) against cpu::moe on the same routing.
 double worst_vs_cpu(Bench& b, int T, int adapters, const std::vector<float>& out) {
   const auto ids = b.copies[0].ids.download(static_cast<size_t>(T) * kK);
@@ -274,6 +150,8 @@ double worst_vs_cpu(Bench& b, int T, int adapters, const std::vector<float>& out
   const Comparison cmp = compare_rows(out, ref.out, T, kH);
   return cmp.non_finite ? 1e9 : cmp.worst_rel;
 }
+
+namespace {
 
 // Version `v` at every tile, T and adapter count against version `ref` (same tile) and, up to 64
 // tokens, the CPU reference: worst row relative error <= 1e-2 for both. Prints one line a point.
@@ -371,127 +249,6 @@ bool split_mode(Bench& b, int ncopies, double bw) {
   return ok;
 }
 
-// `dev_moe_bench lora`: the LoRA expands inside the base kernels (the gate_up half in the GEMM
-// epilogue, MoeTuning::lora_in_gemm; the down half inside moe_reduce, lora_down_in_reduce) against
-// their own kernels on the side stream: bit for bit at every T with the tile the heuristic picks,
-// the CPU reference with 8 adapters up to 64 tokens, then timed at every batch with 1 and 8
-// adapters (and with every LoRA kernel on the main stream).
-bool lora_mode(Bench& b, int ncopies, double bw) {
-  Version in_gemm = kV2, separate = kV2;
-  in_gemm.lora_gemm = 1;
-  in_gemm.lora_reduce = 0;
-  separate.lora_gemm = 0;
-  separate.lora_reduce = 0;
-  Version both_in = in_gemm;  // gate_up expand in the GEMM, down expand in moe_reduce
-  both_in.lora_reduce = 1;
-  Version in_gemm_1s = in_gemm, both_in_1s = both_in;  // every LoRA kernel on the main stream: no event joins
-  in_gemm_1s.one_stream = both_in_1s.one_stream = true;
-  bool ok = true;
-  for (int T : {1, 3, 8, 64, 256})
-    for (int adapters : {1, 8}) {
-      b.launch(nullptr, 0, T, separate, adapters);
-      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-      const auto ref = b.out_of(0, T);
-      // The CPU reference with 8 adapters up to 64 tokens (it is slow beyond; 1 adapter is a subset).
-      const bool cpu_checked = T <= 64 && adapters == 8;
-      for (const Version* v : {&in_gemm, &both_in}) {
-        b.launch(nullptr, 0, T, *v, adapters);
-        MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-        const auto out = b.out_of(0, T);
-        size_t diff = 0;
-        for (size_t i = 0; i < out.size(); ++i) diff += out[i] != ref[i];
-        const double vs_cpu = cpu_checked ? worst_vs_cpu(b, T, adapters, out) : 0.0;
-        const bool pass = diff == 0 && vs_cpu <= 1e-2;
-        ok &= pass;
-        char cpu[32] = "not checked";
-        if (cpu_checked) std::snprintf(cpu, sizeof cpu, "%.2e", vs_cpu);
-        std::printf("check %s, %d adapters, T=%3d: %zu elements differ from the expand kernels'; vs CPU %s %s\n",
-                    v == &in_gemm ? "gate_up in gemm" : "gate_up in gemm + down in reduce", adapters, T, diff, cpu,
-                    pass ? "ok" : "FAIL");
-      }
-    }
-  std::printf("checks %s\n", ok ? "passed" : "FAILED");
-  std::printf("\nMoE LoRA r=%d, graph replay, %d copies, median of 30, us (copy bandwidth %.0f GB/s); columns: both expand "
-              "kernels | gate_up in the GEMM | + down in moe_reduce, each with 1 and 8 adapters; then 8 adapters on one "
-              "stream\n   T |   base | 1 ad: kernels | in gemm | + reduce | 8 ad: kernels | in gemm | + reduce | "
-              "1 stream: in gemm | + reduce\n", kRank, ncopies, bw);
-  for (int T : kTokens) {
-    auto timed = [&](const Version& v, int adapters) {
-      return time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, v, adapters); }, ncopies, 30);
-    };
-    const double base = timed(kV2, 0);
-    const double t[8] = {timed(separate, 1), timed(in_gemm, 1), timed(both_in, 1), timed(separate, 8),
-                         timed(in_gemm, 8), timed(both_in, 8), timed(in_gemm_1s, 8), timed(both_in_1s, 8)};
-    std::printf("%4d | %6.1f", T, base);
-    for (double x : t) std::printf(" | %6.1f (+%4.1f%%)", x, 100.0 * (x / base - 1.0));
-    std::printf("\n");
-  }
-  return ok;
-}
-
-// `dev_moe_bench direct`: the LoRA kernels on one item per routed pair (MoeTuning::lora_direct)
-// against moe_align's (slot, expert) groups: bit for bit at every T with 1 and 8 adapters (the CPU
-// reference with 8 adapters up to 64 tokens), then timed with 1 and 8 adapters: both item forms,
-// each with the down expand in its own kernel or inside moe_reduce, and the heuristic's default.
-bool direct_mode(Bench& b, int ncopies, double bw) {
-  Version grouped = kV2, direct = kV2;
-  grouped.lora_direct = 0;
-  direct.lora_direct = 1;
-  grouped.lora_reduce = direct.lora_reduce = 0;  // the down expand in its own kernel unless named
-  Version grouped_max = grouped, direct_fused = direct, direct_reduce = direct;
-  grouped_max.max_workspace = true;
-  direct_fused.lora_fused = true;  // the down half's shrink + expand in one launch (gate_up stays as chosen)
-  direct_reduce.lora_reduce = 1;
-  bool ok = true;
-  for (int T : {1, 3, 8, 64, 256})
-    for (int adapters : {1, 8}) {
-      b.launch(nullptr, 0, T, grouped, adapters);
-      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-      const auto ref = b.out_of(0, T);
-      const bool cpu_checked = T <= 64 && adapters == 8;
-      for (const Version* v : {&direct, &direct_fused, &direct_reduce}) {
-        b.launch(nullptr, 0, T, *v, adapters);
-        MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-        const auto out = b.out_of(0, T);
-        size_t diff = 0;
-        for (size_t i = 0; i < out.size(); ++i) diff += out[i] != ref[i];
-        const double vs_cpu = cpu_checked ? worst_vs_cpu(b, T, adapters, out) : 0.0;
-        const bool pass = diff == 0 && vs_cpu <= 1e-2;
-        ok &= pass;
-        char cpu[32] = "not checked";
-        if (cpu_checked) std::snprintf(cpu, sizeof cpu, "%.2e", vs_cpu);
-        std::printf("check per pair%s, %d adapters, T=%3d: %zu elements differ from the grouped kernels'; vs CPU %s %s\n",
-                    v == &direct ? "" : v == &direct_fused ? " + fused down" : " + down in reduce", adapters, T, diff,
-                    cpu, pass ? "ok" : "FAIL");
-      }
-    }
-  std::printf("checks %s\n", ok ? "passed" : "FAILED");
-  // Every (items, down expand) combination with 1 and 8 adapters, then the heuristic's choice
-  // (kV2: choose_moe_tuning) for each; grouped on the 256-token workspace is this workbench before
-  // 2026-12-06 and is timed with 8 adapters only.
-  Version grouped_reduce = grouped;
-  grouped_reduce.lora_reduce = 1;
-  std::printf("\nMoE LoRA r=%d items, graph replay, %d copies, median of 30, us (copy bandwidth %.0f GB/s); "
-              "reduce = the down expand inside moe_reduce, default = choose_moe_tuning's\n   T |   base | 1 ad: "
-              "grouped | grouped+reduce | per pair | per pair+reduce | default | 8 ad: grouped256 | grouped | "
-              "grouped+reduce | per pair | per pair+reduce | per pair+fused down | default\n",
-              kRank, ncopies, bw);
-  for (int T : kTokens) {
-    auto timed = [&](const Version& v, int adapters) {
-      return time_graph_us([&](cudaStream_t st, int c) { b.launch(st, c, T, v, adapters); }, ncopies, 30);
-    };
-    const double base = timed(kV2, 0);
-    const double t[12] = {timed(grouped, 1),         timed(grouped_reduce, 1), timed(direct, 1),
-                          timed(direct_reduce, 1),   timed(kV2, 1),            timed(grouped_max, 8),
-                          timed(grouped, 8),         timed(grouped_reduce, 8), timed(direct, 8),
-                          timed(direct_reduce, 8),   timed(direct_fused, 8),   timed(kV2, 8)};
-    std::printf("%4d | %6.1f", T, base);
-    for (double x : t) std::printf(" | %6.1f (+%4.1f%%)", x, 100.0 * (x / base - 1.0));
-    std::printf("\n");
-  }
-  return ok;
-}
-
 // `dev_moe_bench nvfp4`: NVFP4 experts (W4A16 on the mma.sync kernels, and on the wgmma GEMM's
 // 4-bit mode) against the CPU reference at every tile, then timed per tile against their own floor
 // (touched experts' 4-bit codes and e4m3 group scales over the copy bandwidth) and the FP8 layer's
@@ -553,6 +310,7 @@ bool nvfp4_mode(Bench& b8, Bench& b4, int ncopies, double bw) {
 }
 
 }  // namespace
+}  // namespace moelora::dev_moe_bench
 
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a run cut short by its time limit still shows its lines
@@ -579,6 +337,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "split") return split_mode(b, ncopies, bw) ? 0 : 1;
   if (argc > 1 && std::string(argv[1]) == "lora") return lora_mode(b, ncopies, bw) ? 0 : 1;
   if (argc > 1 && std::string(argv[1]) == "direct") return direct_mode(b, ncopies, bw) ? 0 : 1;
+  if (argc > 1 && std::string(argv[1]) == "beside") return beside_mode(b, ncopies, bw) ? 0 : 1;
   if (argc > 1 && std::string(argv[1]) == "nvfp4") {
     Bench b4;
     b4.init(ncopies, /*nvfp4=*/true);

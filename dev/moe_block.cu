@@ -91,6 +91,9 @@ std::vector<float> host_values(Backend& b, const Tensor& t) {
 // shared experts concurrent must repeat bit for bit.
 using Outputs = std::map<std::pair<int, int>, std::vector<float>>;
 
+// CudaBackendOptions::overlap: the routed experts' LoRA on its side stream (`--no-overlap`: on main).
+bool lora_side_stream = true;
+
 int run_shape(const Shape& shape, bool concurrent, int iters, double copy_gbps, size_t l2_bytes, Outputs& first_run,
               std::ofstream* json) {
   const std::string path = std::string("bench/configs/") + shape.config;
@@ -111,6 +114,7 @@ int run_shape(const Shape& shape, bool concurrent, int iters, double copy_gbps, 
 
   CudaBackendOptions opts;
   opts.shared_experts_concurrent = concurrent;
+  opts.overlap = lora_side_stream;
   CudaBackend b(opts);
   auto made = Model::random(c, b, 7);
   if (!made.ok()) {
@@ -179,11 +183,24 @@ int run_shape(const Shape& shape, bool concurrent, int iters, double copy_gbps, 
       auto equal = [](const std::vector<float>& a, const std::vector<float>& b) {
         return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
       };
-      bool same = equal(eager, replayed);
-      if (concurrent)
-        same = same && equal(eager, first_run.at({T, N}));
-      else
-        first_run[{T, N}] = eager;
+      const bool same_replay = equal(eager, replayed);
+      const bool same_serial = !concurrent || equal(eager, first_run.at({T, N}));
+      const bool same = same_replay && same_serial;
+      if (!concurrent) first_run[{T, N}] = eager;
+      // Which comparison failed and by how much (elements that differ, largest |difference|).
+      auto differ = [](const std::vector<float>& a, const std::vector<float>& b) {
+        size_t n = 0;
+        double worst = 0;
+        for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+          if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) {
+            ++n;
+            worst = std::max(worst, static_cast<double>(std::fabs(a[i] - b[i])));
+          }
+        return std::to_string(n) + " of " + std::to_string(a.size()) + " differ, max |d| " + std::to_string(worst);
+      };
+      std::string why;
+      if (!same_replay) why += "  replay vs eager: " + differ(eager, replayed);
+      if (!same_serial) why += "  eager vs serial: " + differ(eager, first_run.at({T, N}));
       b.synchronize();
       b.device_timer_begin();
       for (int it = 0; it < iters; ++it) (void)step();
@@ -193,7 +210,7 @@ int run_shape(const Shape& shape, bool concurrent, int iters, double copy_gbps, 
       if (N == 0) base_us = block_us;
       const double tax = N > 0 ? (block_us / base_us - 1.0) * 100.0 : 0.0;
       std::printf("%6d %9d %12.1f %12.1f %9.2f %9.0f%% %s\n", T, N, block_us, floor_us, block_us / floor_us, tax,
-                  same ? "yes" : "NO");
+                  same ? "yes" : ("NO" + why).c_str());
       std::fflush(stdout);
       if (json) {
         nlohmann::json r = {{"bench", "moe_block"}, {"model", shape.config},  {"layers", L},
@@ -220,6 +237,8 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "--iters" && i + 1 < argc) {
       iters = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--no-overlap") {
+      lora_side_stream = false;
     } else if (a == "--json" && i + 1 < argc) {
       json_path = argv[++i];
     } else {
@@ -227,7 +246,7 @@ int main(int argc, char** argv) {
       for (const Shape& s : kShapes)
         if (a == s.name) found = &s;
       if (!found) {
-        std::fprintf(stderr, "usage: dev_moe_block [qwen3|mixtral|deepseek ...] [--iters N] [--json FILE]\n");
+        std::fprintf(stderr, "usage: dev_moe_block [qwen3|mixtral|deepseek ...] [--iters N] [--json FILE] [--no-overlap]\n");
         return 2;
       }
       shapes.push_back(found);

@@ -34,8 +34,15 @@
 #            per-pair cases, `dev_moe_bench direct`
 #   loradefault the MoE LoRA op cases, `dev_moe_bench direct`, the decode step (0 and 8 adapters)
 #            and verify on choose_moe_tuning's LoRA defaults of 2026-12-06
-#   firstrun the decode step on the LoRA defaults, moeblock's workbench, verify, `dev_moe_bench direct`,
-#            in one call (the 2026-12-07 session's first GPU run)
+#   firstrun the decode step on the LoRA defaults (and with 8 adapters --no-moe-lora-beside-gemm),
+#            moeblock's workbench, verify (graphs; and with --no-moe-lora-beside-gemm), in one call
+#            (its run of 2026-12-07 forced the shrinks beside the GEMMs at every batch instead, with the
+#            flag --moe-lora-beside-gemm of that day: bench/logs/2026-12-07-h100-firstrun-*)
+#   beside   the MoE LoRA shrinks beside the expert GEMMs (one stream, the GEMMs waiting for them only
+#            before their epilogues): MoE LoRA op cases, sanitizers, `dev_moe_bench beside`, verify
+#            eager with it; the DeepSeek fixtures with --shared-experts-concurrent
+#   beside2  the decode step and verify on the beside default, the placement op cases, dev_moe_block
+#            DeepSeek-V3 with and without the routed LoRA's side stream (the concurrent rows' bits)
 #   moeblock the whole MoE block (router, top-k, routed and shared experts, LoRA) as the forward pass
 #            runs it, `dev_moe_block` at Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 shapes, 0 and 8
 #            adapters (JSON records to $out/moe_block_records.jsonl), DeepSeek's shared experts after
@@ -300,10 +307,10 @@ PY
     timeout 150 $bin verify --fixtures tests/fixtures --backend cuda > $out/verify_cuda.log 2>&1; echo "exit $?"
     grep "all cases" $out/verify_cuda.log; tail -1 $out/verify_cuda.log ;;
   firstrun)
-    # One call (under 10 minutes) for what the 2026-12-07 session wrote and what aa14457's defaults
+    # One call (under 10 minutes) for what the 2026-12-07 sessions wrote and what aa14457's defaults
     # still lacked, most needed first: the decode step on choose_moe_tuning's LoRA defaults (0 and 8
-    # adapters; also issue 9's step / logits ratios), the MoE block workbench, verify (graphs) and
-    # the DeepSeek fixtures with the shared experts beside the routed ones, then `dev_moe_bench direct`.
+    # adapters; also issue 9's step / logits ratios), the MoE block workbench, verify (graphs), then
+    # the decode step with 8 adapters and verify with the LoRA shrinks beside the expert GEMMs.
     echo "== bench"
     timeout 170 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8,64,256 \
       --adapters 0,8 --rank 16 --iters 10 --json $out/bench_records.jsonl > $out/bench.log 2>&1; echo "exit $?"
@@ -314,11 +321,56 @@ PY
     echo "== verify cuda (graphs)"
     timeout 90 $bin verify --fixtures tests/fixtures --backend cuda > $out/verify_cuda.log 2>&1; echo "exit $?"
     tail -1 $out/verify_cuda.log
+    echo "== bench, 8 adapters, never the LoRA shrinks beside the expert GEMMs (--no-moe-lora-beside-gemm)"
+    timeout 100 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8,64,256 \
+      --adapters 8 --rank 16 --iters 10 --no-moe-lora-beside-gemm --json $out/bench_records_not_beside.jsonl \
+      > $out/bench_not_beside.log 2>&1; echo "exit $?"
+    grep -v "^\[" $out/bench_not_beside.log | tail -6
+    echo "== verify cuda --no-moe-lora-beside-gemm"
+    timeout 90 $bin verify --fixtures tests/fixtures --backend cuda --no-moe-lora-beside-gemm > $out/verify_cuda_not_beside.log 2>&1
+    echo "exit $?"; tail -1 $out/verify_cuda_not_beside.log ;;
+  beside)
+    # The MoE LoRA shrinks beside the grouped GEMMs (MoeTuning::lora_shrink_beside_gemm, 2026-12-07):
+    # the MoE LoRA op cases (each eager one compares it bit for bit with the default placement),
+    # memcheck and racecheck on its sanitize cases, `dev_moe_bench beside` (checks, timed), then
+    # verify eager (the default takes it up to half a pair per expert) and the DeepSeek fixtures with
+    # the shared experts beside the routed ones, and dev_moe_block's DeepSeek-V3 rows.
+    echo "== op suite, MoE LoRA cases"
+    run_sharded 'Moe*LORA*:CudaConcurrently*' op_suite_moe_lora_beside 200
+    for tool in memcheck racecheck; do
+      timeout 70 compute-sanitizer --tool $tool --error-exitcode 3 ./.device/moelora_op_suite \
+        --gtest_filter='MoeSanitize*lora_beside*' > $out/${tool}_moe_lora_beside.log 2>&1
+      echo "$tool exit $?"; tail -2 $out/${tool}_moe_lora_beside.log
+    done
+    echo "== MoE workbench (LoRA beside the GEMMs)"
+    timeout 150 ./.device/dev_moe_bench beside > $out/moe_bench_beside.log 2>&1; echo "exit $?"
+    grep -v "ok$" $out/moe_bench_beside.log
+    timeout 60 $bin verify --fixtures tests/fixtures --backend cuda --no-graphs \
+      > $out/verify_cuda_beside_eager.log 2>&1; echo "exit $?"; tail -1 $out/verify_cuda_beside_eager.log
     timeout 45 $bin verify --fixtures tests/fixtures/deepseekv3 --backend cuda --shared-experts-concurrent \
       > $out/verify_shared_concurrent.log 2>&1; echo "exit $?"; tail -1 $out/verify_shared_concurrent.log
-    echo "== MoE workbench (LoRA items)"
-    timeout 60 ./.device/dev_moe_bench direct > $out/moe_bench_direct.log 2>&1; echo "exit $?"
-    grep -v "ok$" $out/moe_bench_direct.log ;;
+    echo "== MoE block workbench, DeepSeek-V3 (shared experts after and beside the routed ones)"
+    timeout 120 ./.device/dev_moe_block --iters 10 --json $out/moe_block_records_deepseek.jsonl deepseek \
+      > $out/moe_block_deepseek.log 2>&1; echo "exit $?"; cat $out/moe_block_deepseek.log ;;
+  beside2)
+    # After `beside` (2026-12-07): the decode step and verify on the new default (the LoRA shrinks
+    # beside the expert GEMMs up to half a pair per expert), the MoE LoRA op cases that name a
+    # placement, then dev_moe_block's DeepSeek-V3 rows with the routed LoRA on its side stream and
+    # without it (whose shared-experts-concurrent rows differ from the serial ones, and where).
+    echo "== bench"
+    timeout 170 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8,64,256 \
+      --adapters 0,8 --rank 16 --iters 10 --json $out/bench_records.jsonl > $out/bench.log 2>&1; echo "exit $?"
+    grep -v "^\[" $out/bench.log | tail -10
+    echo "== verify cuda (graphs)"
+    timeout 90 $bin verify --fixtures tests/fixtures --backend cuda > $out/verify_cuda.log 2>&1; echo "exit $?"
+    tail -1 $out/verify_cuda.log
+    echo "== op suite, MoE LoRA cases naming a placement"
+    run_sharded 'Moe*LORA*lora_be*' op_suite_moe_lora_placement 100
+    for flag in "" --no-overlap; do
+      echo "== MoE block workbench, DeepSeek-V3 $flag"
+      timeout 110 ./.device/dev_moe_block --iters 5 deepseek $flag > $out/moe_block_deepseek$flag.log 2>&1
+      echo "exit $?"; grep -v "^#" $out/moe_block_deepseek$flag.log
+    done ;;
   moeblock)
     echo "== MoE block workbench"
     timeout 400 ./.device/dev_moe_block --json $out/moe_block_records.jsonl > $out/moe_block.log 2>&1; echo "exit $?"

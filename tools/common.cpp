@@ -74,6 +74,10 @@ void add_cuda_backend_flags(CLI::App* cmd, BackendOptions& o) {
   cmd->add_flag("--shared-experts-concurrent", o.cuda_shared_experts_concurrent,
                 "CUDA: run a MoE layer's shared experts (DeepSeek) on a stream of their own, beside the routed "
                 "experts, instead of after them (not yet timed: off by default)");
+  cmd->add_flag("!--no-moe-lora-beside-gemm", o.cuda_moe_lora_beside_gemm,
+                "CUDA: never run the MoE LoRA shrinks beside the expert GEMMs (one stream, the GEMMs waiting for them "
+                "only before their epilogues; the default up to half a routed pair per expert) but before them or on "
+                "a side stream");
 }
 
 }  // namespace moelora::tools

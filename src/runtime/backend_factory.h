@@ -18,6 +18,7 @@ struct BackendOptions {
   bool cuda_dense_lora_in_gemm = true;    // CUDA: dense LoRA inside the small-M GEMM (decode)
   bool cuda_kv_write_in_head_pass = true;  // CUDA: the KV cache write inside the rotation's launch
   bool cuda_shared_experts_concurrent = false;  // CUDA: shared experts on their own stream
+  bool cuda_moe_lora_beside_gemm = true;        // CUDA: MoE LoRA shrinks beside the grouped GEMMs
 };
 
 Result<std::unique_ptr<Backend>> make_backend(const BackendOptions& opts);

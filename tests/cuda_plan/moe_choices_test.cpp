@@ -72,6 +72,16 @@ TEST(MoeChoices, LoraItemsAndDownExpandFollowPairsPerExpert) {
   EXPECT_TRUE(at(4, 2, 8).lora_down_in_reduce);
 }
 
+// The LoRA shrinks beside the GEMMs up to half a pair per expert (H100 `dev_moe_bench beside`,
+// 2026-12-07: faster to 8 tokens at Qwen3 shapes, +1.2 % at 16, up to +3.4 % at 256).
+TEST(MoeChoices, LoraBesideTheGemmsUpToHalfAPairPerExpert) {
+  auto at = [](int T, int k, int E) { return choose_moe_tuning(MoeProblem{.T = T, .k = k, .E = E, .H = 2048, .I = 768}); };
+  for (int T : {1, 2, 4, 8}) EXPECT_TRUE(at(T, 8, 128).lora_shrink_beside_gemm) << T;
+  for (int T : {9, 16, 64, 256}) EXPECT_FALSE(at(T, 8, 128).lora_shrink_beside_gemm) << T;
+  EXPECT_TRUE(at(2, 2, 8).lora_shrink_beside_gemm);  // Mixtral: a quarter of a pair per expert per token
+  EXPECT_FALSE(at(3, 2, 8).lora_shrink_beside_gemm);
+}
+
 TEST(MoeChoices, Fp8ActivationsOnlyWhenAllowedAndOnlyWhereTheyWereFaster) {
   MoeProblem p{.T = 256, .k = 8, .E = 128, .H = 2048, .I = 768};
   EXPECT_FALSE(choose_moe_tuning(p).act_fp8);  // exact activations unless the operator opts in

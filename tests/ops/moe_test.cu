@@ -44,6 +44,7 @@ struct MoeCase {
   int lora_gemm = -1;             // gate_up LoRA expand: -1 the heuristic's, 0 its own kernel, 1 in the GEMM epilogue
   int lora_reduce = -1;           // down LoRA expand: -1 the heuristic's, 0 its own kernel, 1 inside moe_reduce
   int lora_direct = -1;           // LoRA items: -1 the heuristic's, 0 moe_align's (slot, expert) groups, 1 per pair
+  int lora_beside = -1;           // LoRA shrinks: -1 the heuristic's, 0 before the GEMMs / side stream, 1 beside them
 
   std::string name() const {
     std::string n = slots ? "MOE_LORA(" : "MOE(";
@@ -72,6 +73,7 @@ struct MoeCase {
     if (lora_gemm >= 0) n += lora_gemm ? ",lora_in_gemm" : ",lora_expand_kernel";
     if (lora_reduce >= 0) n += lora_reduce ? ",down_lora_in_reduce" : ",down_lora_expand_kernel";
     if (lora_direct >= 0) n += lora_direct ? ",lora_per_pair" : ",lora_grouped";
+    if (lora_beside >= 0) n += lora_beside ? ",lora_beside_gemm" : ",lora_before_gemm";
     return n + ")";
   }
 };
@@ -225,6 +227,7 @@ struct Harness {
     if (c.lora_gemm >= 0) a.tuning->lora_in_gemm = c.lora_gemm == 1;
     if (c.lora_reduce >= 0) a.tuning->lora_down_in_reduce = c.lora_reduce == 1;
     if (c.lora_direct >= 0) a.tuning->lora_direct = c.lora_direct == 1;
+    if (c.lora_beside >= 0) a.tuning->lora_shrink_beside_gemm = c.lora_beside == 1;
     return a;
   }
   cuda::MoeStreams streams() {
@@ -357,6 +360,11 @@ TEST_P(MoeLayer, MatchesCpu) {
     if (h.c.slots && h.c.lora_direct < 0)
       h.expect_same_bits([](cuda_plan::MoeTuning& t) { t.lora_direct = !t.lora_direct; },
                          "LoRA per routed pair vs grouped by moe_align");
+    // The LoRA kernels beside the GEMMs (one stream, the GEMMs waiting only before their
+    // epilogues) against before them or on the side stream: a missed wait shows as other bits.
+    if (h.c.slots && h.c.lora_beside < 0)
+      h.expect_same_bits([](cuda_plan::MoeTuning& t) { t.lora_shrink_beside_gemm = !t.lora_shrink_beside_gemm; },
+                         "LoRA beside the grouped GEMMs vs before them");
     return;
   }
   // Graph: captured once, replayed on new inputs written in place (static buffers), as the
@@ -601,6 +609,25 @@ std::vector<MoeCase> moe_cases() {
   { MoeCase c = with_lora(base(1, 128, 8, 2048, 768), 8, {16}, kSlotDistinct); c.lora_direct = 1; v.push_back(c); }
   { MoeCase c = with_lora(base(5, 8, 2, 128, 192), 3, {16, 64}); c.two_streams = false; c.lora_direct = 1; c.lora_reduce = 1;
     v.push_back(c); }
+  // The LoRA shrinks beside the grouped GEMMs (MoeTuning::lora_shrink_beside_gemm; every eager LoRA
+  // case also compares it bit for bit with the heuristic's placement): graph replay with new inputs
+  // (per pair and grouped), Qwen3 shapes at 1 token (mma.sync) and 64 (wgmma, split-form act
+  // quantised before the down shrink), W8A8 on mma.sync, both expand kernels (gate_up's epilogue
+  // reads the delta the expand wrote), NVFP4.
+  { MoeCase c = with_lora(base(16, 8, 2, 128, 192), 4, {16, 1, 128}); c.graph = true; c.lora_beside = 1; v.push_back(c); }
+  { MoeCase c = with_lora(base(16, 8, 2, 128, 192), 4, {16, 1, 128}); c.graph = true; c.lora_beside = 1;
+    c.lora_direct = 0; c.lora_reduce = 0; v.push_back(c); }
+  { MoeCase c = with_lora(base(1, 128, 8, 2048, 768), 8, {16}, kSlotDistinct); c.graph = true; c.lora_beside = 1;
+    v.push_back(c); }
+  { MoeCase c = with_lora(base(1, 128, 8, 2048, 768), 8, {16}, kSlotDistinct); c.graph = true; c.lora_beside = 0;
+    v.push_back(c); }  // the placement before them, where the default is beside since 2026-12-07
+  { MoeCase c = with_lora(base(64, 128, 8, 2048, 768), 8, {16}); c.lora_beside = 1; v.push_back(c); }
+  { MoeCase c = with_lora(base(64, 128, 8, 2048, 768), 8, {16}); c.graph = true; c.lora_beside = 1; v.push_back(c); }
+  { MoeCase c = with_lora(base(21, 8, 2, 128, 192), 3, {16}); c.act8 = 1; c.tile = 1; c.lora_beside = 1; v.push_back(c); }
+  { MoeCase c = with_lora(base(19, 8, 2, 128, 192), 3, {16, 4}, kSlotInvalid); c.route = kSentinel; c.lora_beside = 1;
+    c.lora_gemm = 0; c.lora_reduce = 0; v.push_back(c); }
+  { MoeCase c = nvfp4(with_lora(base(24, 8, 2, 128, 192), 4, {1, 16, 128, 5})); c.graph = true; c.lora_beside = 1;
+    v.push_back(c); }
   // The fused LoRA kernel (shrink + expand in one launch) on the LoRA families above.
   std::vector<MoeCase> fused;
   for (const MoeCase& c : v)
@@ -647,6 +674,8 @@ std::vector<MoeCase> moe_sanitize_cases() {
     c.lora_gemm = 0; v.push_back(c); }  // per-pair LoRA items, both expand kernels
   { MoeCase c = with_lora(base(7, 8, 2, 128, 192), 3, {1, 16, 128}); c.share = 9; c.lora_direct = 1; c.lora_fused = true;
     v.push_back(c); }
+  { MoeCase c = with_lora(base(9, 8, 2, 128, 256), 3, {1, 16}); c.lora_beside = 1; c.wgmma = 1; c.tile = 0; v.push_back(c); }
+  { MoeCase c = with_lora(base(7, 8, 2, 128, 192), 3, {1, 16, 128}); c.lora_beside = 1; c.lora_direct = 1; v.push_back(c); }
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(MoeSanitize, MoeLayer, ::testing::ValuesIn(moe_sanitize_cases()), moe_test_name);

@@ -59,6 +59,11 @@ struct CudaBackendOptions {
   // A MoE layer's shared experts (DeepSeek) on a stream of their own, beside the routed experts
   // (Backend::concurrently; `--shared-experts-concurrent`). Off until dev_moe_block has timed it.
   bool shared_experts_concurrent = false;
+  // MoE LoRA: the shrinks on the main stream beside the grouped GEMMs, which wait for them only
+  // before their epilogues, where cuda_plan::choose_moe_tuning picks it (MoeTuning::
+  // lora_shrink_beside_gemm: up to half a pair per expert; `--no-moe-lora-beside-gemm` turns it off).
+  // H100, 2026-12-07: MoE layer with 8 adapters at 1 token 57.2 -> 46.3 us, decode step -8.0 %.
+  bool moe_lora_shrink_beside_gemm = true;
 };
 
 class CudaBackend final : public Backend {

@@ -569,6 +569,7 @@ void CudaBackend::moe(const Tensor& x, const Tensor& ids, const Tensor& weights,
   // The kernels for this batch, chosen once here so that the workspace carves only the e4m3
   // activation buffers that regime reads (at a prefill chunk they are ~0.1 GB of arena).
   a.tuning = cuda::moe_tuning(a);
+  if (!opts_.moe_lora_shrink_beside_gemm) a.tuning->lora_shrink_beside_gemm = false;
   a.shape.fp8_activations = a.tuning->act_fp8;
   a.shape.fp8_split = a.tuning->act_split && a.tuning->wgmma;
   // LoRA only when some token of the step uses a slot with expert LoRA here.

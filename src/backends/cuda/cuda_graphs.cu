@@ -248,7 +248,16 @@ void CudaBackend::concurrently(const std::function<void()>& first, const std::fu
   MOELORA_CUDA_CHECK(cudaEventRecord(ev_fork_, main_));
   MOELORA_CUDA_CHECK(cudaStreamWaitEvent(concurrent_, ev_fork_, 0));
   std::swap(main_, concurrent_);
+  // Scratch that `first` gives back (scratch_release once its launches are queued) is still in use
+  // on its stream while `second` runs: `second` allocates above the most `first` ever held. (The
+  // first H100 run of dev_moe_block, 2026-12-07, hit an illegal address without this: the shared
+  // experts' LoRA u buffer, given back, was the routed layer's workspace.)
+  const size_t peak_before = arena_peak_;
+  arena_peak_ = arena_used_;
   first();
+  const size_t first_peak = arena_peak_;
+  arena_used_ = std::max(arena_used_, first_peak);
+  arena_peak_ = std::max(peak_before, first_peak);
   MOELORA_CUDA_CHECK(cudaEventRecord(ev_join_, main_));
   std::swap(main_, concurrent_);
   MOELORA_CHECK_MSG(route_pending_ == route_was_pending, "Backend::concurrently: the first work consumed a routing");

@@ -31,6 +31,15 @@ constexpr double kMoeLoraInGemmMaxPerExpert = 8.0;
 // 256 tokens with 8 adapters, within 2 % with 1, and lost +7.5 % at 1 token.
 constexpr double kMoeLoraDirectMaxPerExpert = 2.0;
 constexpr double kMoeLoraDownInReduceMinPerExpert = 1.0;
+// The LoRA shrinks beside the grouped GEMMs (one stream, each GEMM waiting for them only before its
+// epilogue) up to this many pairs per expert. H100 (`dev_moe_bench beside`, 2026-12-07, Qwen3-30B-A3B
+// shapes, r 16, graph replay, us; bench/logs/2026-12-07-h100-moe-lora-beside.log), default ->
+// beside, 8 adapters: T = 1 57.2 -> 46.3 (+79 % -> +45 % over the base 32.0), 2 69.8 -> 62.0, 4 98.6
+// -> 89.9, 8 144.7 -> 139.9, but 16 193.2 -> 195.6, 32 258.3 -> 258.9, 64 313.1 -> 313.2, 128 354.4
+// -> 358.9, 256 460.3 -> 475.9 (1 adapter alike: wins to T = 8, +1.2 % at 16). Once the GEMM has
+// more rows than the shrink has blocks to hide, sharing the SMs costs what the overlap saves. The
+// decode step with 8 adapters (same card): 1 token -8.0 %, 8 -2.9 %, 64 -0.6 %, 256 +2.1 %.
+constexpr double kMoeLoraBesideMaxPerExpert = 0.5;
 }  // namespace
 
 int moe_gemm_tile_rows(MoeGemmTile t) {
@@ -76,6 +85,7 @@ MoeTuning choose_moe_tuning(const MoeProblem& p) {
   t.lora_in_gemm = pairs_per_expert <= kMoeLoraInGemmMaxPerExpert;
   t.lora_direct = pairs_per_expert <= kMoeLoraDirectMaxPerExpert;
   t.lora_down_in_reduce = pairs_per_expert >= kMoeLoraDownInReduceMinPerExpert;
+  t.lora_shrink_beside_gemm = pairs_per_expert <= kMoeLoraBesideMaxPerExpert;
   t.pdl = true;
   if (!moe_mma_shape_ok(p.H, p.I)) {
     // No tensor-core tile fits: the generic kernels, in bf16 activations whatever the operator

@@ -45,6 +45,14 @@ struct MoeTuning {
   // LoRA grids are sized by the step's pairs. Same bits either way (moe_lora.cuh, MoeLoraPairs).
   // choose_moe_tuning picks it up to two pairs per expert (measured, moe_choices.cpp).
   bool lora_direct = false;
+  // Every MoE LoRA kernel on the main stream, each grouped GEMM right behind its half's LoRA
+  // kernels and waiting for them only before its epilogue (MoeGemmParams::wait_before_epilogue):
+  // the gate_up shrink runs beside gate_up's main loop (its epilogue reads u), the down shrink beside
+  // down's (moe_reduce reads u), with no side stream, no events and PDL up to moe_reduce. Same bits
+  // as the other placements (the op suite compares them). choose_moe_tuning picks it up to half a
+  // pair per expert (measured, moe_choices.cpp); CudaBackendOptions::moe_lora_shrink_beside_gemm
+  // (`--no-moe-lora-beside-gemm`) turns it off.
+  bool lora_shrink_beside_gemm = false;
   bool pdl = true;          // programmatic dependent launch between consecutive kernels
   // FP8 experts only: W8A8 (activations quantised per token per 128 channels, e4m3 MMA) instead
   // of W8A16 (exact bf16 activations, weights dequantised in registers). docs/numerics.md.

@@ -214,12 +214,16 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
   const bool lora = a.lora != nullptr && a.token_slot != nullptr;
   MOELORA_CHECK(!lora || (ws.l_tiles && ws.ldu >= a.lora->max_rank));
   MOELORA_CHECK(!lora || !st.side || (st.ev_ids && st.ev_gu && st.ev_act && st.ev_d));
-  const bool two_streams = lora && st.side;
+  // The LoRA shrinks beside the grouped GEMMs (MoeTuning::lora_shrink_beside_gemm): every LoRA
+  // kernel on M, each GEMM right behind its half's LoRA kernels and waiting for them only before
+  // its epilogue, so the shrink runs beside the GEMM's main loop without a second stream.
+  const cuda_plan::MoeTuning tune = moe_tuning(a);
+  const bool beside = lora && tune.lora_shrink_beside_gemm;
+  const bool two_streams = lora && st.side && !beside;
   MOELORA_CHECK_MSG(last == MoeStage::kAll || !lora, "MoE stage prefixes are timed without LoRA");
   cudaStream_t M = st.main, S = two_streams ? st.side : st.main;
   const int P = a.T * s.k;
 
-  const cuda_plan::MoeTuning tune = moe_tuning(a);
   const MoeGemmTile tile = tune.tile;
   const bool pdl = tune.pdl;
   MOELORA_CHECK_MSG(a.wtype != MoeWeightType::kNvfp4 || !tune.generic,
@@ -341,8 +345,13 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
   }
   g.act = ws.act;
   g.pdl = pdl && (!two_streams || gu_in_gemm);  // an event wait precedes it when the side stream made the delta
+  g.wait_before_epilogue = beside && pdl;        // behind this half's LoRA kernels on M, which wait first
   moe_gate_up(g, M);
   if (last == MoeStage::kGateUp) return;
+  // act rows of every pair (rows of skipped pairs are never read by moe_down), in the W8A8 and split
+  // regimes. Beside: before the down LoRA kernels, so that these directly precede moe_down.
+  const bool quantize_act = act_fp8 || split;
+  if (quantize_act && beside) quantize_rows(ws.act, s.I, P, s.I, ws.aq, ws.as, M, split ? ws.aq_lo : nullptr);
 
   // ---- down LoRA (side stream, concurrent with the base down GEMM): shrink + expand into
   // delta_d, or only the shrink when moe_reduce adds u . B itself (tune.lora_down_in_reduce).
@@ -377,8 +386,7 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
   d.xs = ws.as;
   d.ldxs = I_groups;
   d.xq_lo = split ? ws.aq_lo : nullptr;
-  if (act_fp8 || split)  // act rows of every pair (rows of skipped pairs are never read by moe_down)
-    quantize_rows(ws.act, s.I, P, s.I, ws.aq, ws.as, M, split ? ws.aq_lo : nullptr);
+  if (quantize_act && !beside) quantize_rows(ws.act, s.I, P, s.I, ws.aq, ws.as, M, split ? ws.aq_lo : nullptr);
   d.lora_delta = nullptr;
   d.act = nullptr;
   d.y = ws.y;
@@ -387,6 +395,9 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
   // moe_align is complete when down starts early.
   d.pdl = pdl;
   d.early_prefetch = pdl;
+  // Beside: behind the down LoRA kernels, which wait first (act and aq are complete when it starts);
+  // its wait then makes its completion imply theirs, which moe_reduce relies on for u.
+  d.wait_before_epilogue = beside && pdl;
   moe_down(d, M);
   if (last == MoeStage::kDown) return;
   if (two_streams) MOELORA_CUDA_CHECK(cudaStreamWaitEvent(M, st.ev_d, 0));

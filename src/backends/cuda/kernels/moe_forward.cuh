@@ -13,6 +13,10 @@
 //   S: wait ev_act, down shrink(act), down expand -> delta_d, record ev_d
 //   M: [fp8 quant act]  moe_down -> y (concurrently with S), wait ev_d, moe_reduce(y, delta_d) -> out
 //   lora_down_in_reduce: S runs only the down shrink, and moe_reduce adds u . B itself (no delta_d).
+//   lora_shrink_beside_gemm: one stream, each GEMM right behind its half's LoRA kernels, waiting for
+//   them only before its epilogue (MoeGemmParams::wait_before_epilogue), so they run beside its
+//   main loop:
+//   M: gate_up LoRA, moe_gate_up, [fp8 quant act], down LoRA, moe_down, moe_reduce (PDL throughout)
 // (the fp8 quantisations only in the W8A8 regime, MoeTuning::act_fp8 with FP8 experts)
 // No buffer is written by one stream while the other reads it without an event in between; no
 // allocation happens anywhere (all scratch is the caller's MoeWorkspace). Without a side stream

@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
   // (item = blockIdx.x + i * gridDim.x): all items move the same weight bytes, so static striding
   // balances as well as a work queue without its latency. Each item's metadata (expert and the
   // tile's padded row list written by moe_align) is loaded one item ahead into registers.
-  if (!p.early_prefetch) pdl_wait();
+  if (!p.early_prefetch && !p.wait_before_epilogue) pdl_wait();
   const int num_tiles = p.counters[kMoeCntTiles];
   const int num_items = num_tiles * nblocks;
   int item = blockIdx.x;
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
       for (int l = tid; l < C::kRows * lines; l += C::kThreads)
         prefetch_l2(wexp + wrow(n0, l / lines) * w_row_bytes + (l % lines) * 128);
     }
-    pdl_wait();
+    if (!p.wait_before_epilogue) pdl_wait();
   }
   pdl_trigger();
 
@@ -415,6 +415,7 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const __grid_cons
         r[C::kRedStride + 8] = acc[mt][nt][3];
       }
     __syncthreads();
+    if (p.wait_before_epilogue) pdl_wait();  // the predecessor's u (gate_up) / before the first write
     if constexpr (C::kGateUp) {
       for (int idx = tid; idx < half * C::kBT; idx += C::kThreads) {
         const int f = idx % half, m = idx / half;

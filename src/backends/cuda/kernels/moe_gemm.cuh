@@ -95,6 +95,12 @@ struct MoeGemmParams {
   // Down only: the launch directly follows moe_gate_up, both with PDL, and moe_align precedes
   // gate_up: the kernel may then read the tiles and prefetch its first weights before waiting.
   bool early_prefetch = false;
+  // The kernel runs its main loop without waiting for its stream predecessor and waits for it only
+  // before its epilogue (its first global write). Valid where that predecessor is a MoE LoRA kernel
+  // (shrink, expand or fused: each waits first, so every kernel before it is complete when this one
+  // starts) whose output the epilogue alone reads (gate_up: u or the delta) or this kernel does not
+  // read at all (down: moe_reduce reads the down shrink's u). MoeTuning::lora_shrink_beside_gemm.
+  bool wait_before_epilogue = false;
 };
 
 void moe_gate_up(const MoeGemmParams& p, cudaStream_t stream);

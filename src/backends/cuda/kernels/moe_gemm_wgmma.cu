@@ -231,7 +231,9 @@ __global__ void __maxnreg__(BN == 64 ? 168 : 96) moe_gemm_wgmma_kernel(const __g
   }
   __syncthreads();
 
-  pdl_wait();  // the tiles (moe_align) and, for down, act (moe_gate_up) come from predecessors
+  // The tiles (moe_align) and, for down, act (moe_gate_up) come from predecessors; with
+  // wait_before_epilogue from kernels before the one this waits for (see moe_gemm.cuh).
+  if (!p.wait_before_epilogue) pdl_wait();
   pdl_trigger();
   const int num_tiles = p.counters[kMoeCntTiles];
   const int num_items = num_tiles * nblocks;
@@ -482,6 +484,7 @@ __global__ void __maxnreg__(BN == 64 ? 168 : 96) moe_gemm_wgmma_kernel(const __g
       epi[(n + 1) * C::kEpiStride + r0 + 8] = acc[4 * j + 3];
     }
     consumers_sync();
+    if (p.wait_before_epilogue) pdl_wait();  // the predecessor's u (gate_up) / before the first write
     const int32_t* pairs = p.tile_pairs + tile * BN;
     if (GATE_UP) {
       const int f0 = blk * (kRowsPerItem / 2);
