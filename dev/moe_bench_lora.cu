@@ -2,12 +2,44 @@
 // expands inside the base kernels against their own kernels, and `dev_moe_bench direct`, the LoRA
 // kernels per routed pair against moe_align's (slot, expert) groups.
 #include <cstdio>
+#include <initializer_list>
 #include <vector>
 
 #include "dev/moe_bench.h"
 #include "gpukit/timing.h"
 
 namespace moelora::dev_moe_bench {
+
+// Each of `forms` against `ref` at T = 1, 3, 8, 64, 256 with 1 and 8 adapters: the output bit for
+// bit, and with 8 adapters up to 64 tokens the CPU reference (it is slow beyond; 1 adapter is a
+// subset). Prints one line per check and the verdict; true when every check passed.
+bool check_same_bits(Bench& b, const Version& ref_version, const char* ref_name,
+                     std::initializer_list<std::pair<const Version*, const char*>> forms) {
+  bool ok = true;
+  for (int T : {1, 3, 8, 64, 256})
+    for (int adapters : {1, 8}) {
+      b.launch(nullptr, 0, T, ref_version, adapters);
+      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto ref = b.out_of(0, T);
+      const bool cpu_checked = T <= 64 && adapters == 8;
+      for (const auto& [v, name] : forms) {
+        b.launch(nullptr, 0, T, *v, adapters);
+        MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+        const auto out = b.out_of(0, T);
+        size_t diff = 0;
+        for (size_t i = 0; i < out.size(); ++i) diff += out[i] != ref[i];
+        const double vs_cpu = cpu_checked ? worst_vs_cpu(b, T, adapters, out) : 0.0;
+        const bool pass = diff == 0 && vs_cpu <= 1e-2;
+        ok &= pass;
+        char cpu[32] = "not checked";
+        if (cpu_checked) std::snprintf(cpu, sizeof cpu, "%.2e", vs_cpu);
+        std::printf("check %s, %d adapters, T=%3d: %zu elements differ from the %s; vs CPU %s %s\n", name, adapters, T,
+                    diff, ref_name, cpu, pass ? "ok" : "FAIL");
+      }
+    }
+  std::printf("checks %s\n", ok ? "passed" : "FAILED");
+  return ok;
+}
 
 // `dev_moe_bench lora`: the LoRA expands inside the base kernels (the gate_up half in the GEMM
 // epilogue, MoeTuning::lora_in_gemm; the down half inside moe_reduce, lora_down_in_reduce) against
@@ -24,31 +56,8 @@ bool lora_mode(Bench& b, int ncopies, double bw) {
   both_in.lora_reduce = 1;
   Version in_gemm_1s = in_gemm, both_in_1s = both_in;  // every LoRA kernel on the main stream: no event joins
   in_gemm_1s.one_stream = both_in_1s.one_stream = true;
-  bool ok = true;
-  for (int T : {1, 3, 8, 64, 256})
-    for (int adapters : {1, 8}) {
-      b.launch(nullptr, 0, T, separate, adapters);
-      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-      const auto ref = b.out_of(0, T);
-      // The CPU reference with 8 adapters up to 64 tokens (it is slow beyond; 1 adapter is a subset).
-      const bool cpu_checked = T <= 64 && adapters == 8;
-      for (const Version* v : {&in_gemm, &both_in}) {
-        b.launch(nullptr, 0, T, *v, adapters);
-        MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-        const auto out = b.out_of(0, T);
-        size_t diff = 0;
-        for (size_t i = 0; i < out.size(); ++i) diff += out[i] != ref[i];
-        const double vs_cpu = cpu_checked ? worst_vs_cpu(b, T, adapters, out) : 0.0;
-        const bool pass = diff == 0 && vs_cpu <= 1e-2;
-        ok &= pass;
-        char cpu[32] = "not checked";
-        if (cpu_checked) std::snprintf(cpu, sizeof cpu, "%.2e", vs_cpu);
-        std::printf("check %s, %d adapters, T=%3d: %zu elements differ from the expand kernels'; vs CPU %s %s\n",
-                    v == &in_gemm ? "gate_up in gemm" : "gate_up in gemm + down in reduce", adapters, T, diff, cpu,
-                    pass ? "ok" : "FAIL");
-      }
-    }
-  std::printf("checks %s\n", ok ? "passed" : "FAILED");
+  const bool ok = check_same_bits(b, separate, "expand kernels'",
+                                  {{&in_gemm, "gate_up in gemm"}, {&both_in, "gate_up in gemm + down in reduce"}});
   std::printf("\nMoE LoRA r=%d, graph replay, %d copies, median of 30, us (copy bandwidth %.0f GB/s); columns: both expand "
               "kernels | gate_up in the GEMM | + down in moe_reduce, each with 1 and 8 adapters; then 8 adapters on one "
               "stream\n   T |   base | 1 ad: kernels | in gemm | + reduce | 8 ad: kernels | in gemm | + reduce | "
@@ -80,30 +89,9 @@ bool direct_mode(Bench& b, int ncopies, double bw) {
   grouped_max.max_workspace = true;
   direct_fused.lora_fused = true;  // the down half's shrink + expand in one launch (gate_up stays as chosen)
   direct_reduce.lora_reduce = 1;
-  bool ok = true;
-  for (int T : {1, 3, 8, 64, 256})
-    for (int adapters : {1, 8}) {
-      b.launch(nullptr, 0, T, grouped, adapters);
-      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-      const auto ref = b.out_of(0, T);
-      const bool cpu_checked = T <= 64 && adapters == 8;
-      for (const Version* v : {&direct, &direct_fused, &direct_reduce}) {
-        b.launch(nullptr, 0, T, *v, adapters);
-        MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-        const auto out = b.out_of(0, T);
-        size_t diff = 0;
-        for (size_t i = 0; i < out.size(); ++i) diff += out[i] != ref[i];
-        const double vs_cpu = cpu_checked ? worst_vs_cpu(b, T, adapters, out) : 0.0;
-        const bool pass = diff == 0 && vs_cpu <= 1e-2;
-        ok &= pass;
-        char cpu[32] = "not checked";
-        if (cpu_checked) std::snprintf(cpu, sizeof cpu, "%.2e", vs_cpu);
-        std::printf("check per pair%s, %d adapters, T=%3d: %zu elements differ from the grouped kernels'; vs CPU %s %s\n",
-                    v == &direct ? "" : v == &direct_fused ? " + fused down" : " + down in reduce", adapters, T, diff,
-                    cpu, pass ? "ok" : "FAIL");
-      }
-    }
-  std::printf("checks %s\n", ok ? "passed" : "FAILED");
+  const bool ok = check_same_bits(b, grouped, "grouped kernels'",
+                                  {{&direct, "per pair"}, {&direct_fused, "per pair + fused down"},
+                                   {&direct_reduce, "per pair + down in reduce"}});
   // Every (items, down expand) combination with 1 and 8 adapters, then the heuristic's choice
   // (kV2: choose_moe_tuning) for each; grouped on the 256-token workspace is this workbench before
   // 2026-12-06 and is timed with 8 adapters only.
@@ -141,27 +129,7 @@ bool beside_mode(Bench& b, int ncopies, double bw) {
   before.lora_beside = one_stream.lora_beside = 0;
   beside.lora_beside = 1;
   one_stream.one_stream = true;
-  bool ok = true;
-  for (int T : {1, 3, 8, 64, 256})
-    for (int adapters : {1, 8}) {
-      b.launch(nullptr, 0, T, before, adapters);
-      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-      const auto ref = b.out_of(0, T);
-      const bool cpu_checked = T <= 64 && adapters == 8;
-      b.launch(nullptr, 0, T, beside, adapters);
-      MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
-      const auto out = b.out_of(0, T);
-      size_t diff = 0;
-      for (size_t i = 0; i < out.size(); ++i) diff += out[i] != ref[i];
-      const double vs_cpu = cpu_checked ? worst_vs_cpu(b, T, adapters, out) : 0.0;
-      const bool pass = diff == 0 && vs_cpu <= 1e-2;
-      ok &= pass;
-      char cpu[32] = "not checked";
-      if (cpu_checked) std::snprintf(cpu, sizeof cpu, "%.2e", vs_cpu);
-      std::printf("check beside, %d adapters, T=%3d: %zu elements differ from the placement before the GEMMs'; vs CPU %s %s\n",
-                  adapters, T, diff, cpu, pass ? "ok" : "FAIL");
-    }
-  std::printf("checks %s\n", ok ? "passed" : "FAILED");
+  const bool ok = check_same_bits(b, before, "placement before the GEMMs'", {{&beside, "beside"}});
   std::printf("\nMoE LoRA r=%d placement, graph replay, %d copies, median of 30, us (copy bandwidth %.0f GB/s); "
               "before = gate_up shrink before its GEMM, down LoRA on the side stream; 1 stream = the same on the main "
               "stream; beside = the shrinks beside the GEMMs; default = choose_moe_tuning's\n   T |   base | 1 ad: "
