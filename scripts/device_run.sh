@@ -84,6 +84,15 @@ run_sharded() {
   for p in $pids; do wait $p; echo "shard exit $?"; done
   grep -hE "^\[==========\] .* ran|^\[  PASSED|^\[  FAILED" $out/${prefix}_shard*.log | head -40
 }
+# memcheck, then racecheck, over the op-suite cases FILTER selects, each logging to
+# $out/<tool>_NAME.log (exit 3 on a finding), each under LIMIT seconds.
+run_sanitizers() {
+  local filter=$1 name=$2 limit=$3 tool
+  for tool in memcheck racecheck; do
+    timeout $limit compute-sanitizer --tool $tool --error-exitcode 3 ./.device/moelora_op_suite --gtest_filter="$filter" \
+      > $out/${tool}_$name.log 2>&1; echo "$tool $name exit $?"; tail -2 $out/${tool}_$name.log
+  done
+}
 date -u
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 for stage in $stages; do
@@ -209,10 +218,7 @@ for stage in $stages; do
     echo "== attention op tests"
     timeout 200 ./.device/moelora_op_suite --gtest_brief=1 --gtest_filter='*Attn*:*Attention*' > $out/op_suite_attn.log 2>&1
     echo "exit $?"; grep -E "FAILED|PASSED|Failure" $out/op_suite_attn.log | head -20; tail -3 $out/op_suite_attn.log
-    for tool in memcheck racecheck; do
-      timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 ./.device/moelora_op_suite --gtest_filter='SanitizeAttn*' \
-        > $out/${tool}_attn.log 2>&1; echo "$tool attention exit $?"; tail -2 $out/${tool}_attn.log
-    done
+    run_sanitizers 'SanitizeAttn*' attn 200
     echo "== attention workbench"
     timeout 300 ./.device/dev_attention > $out/attention_bench.log 2>&1; echo "exit $?"
     cat $out/attention_bench.log ;;
@@ -282,11 +288,7 @@ PY
     # sanitize cases, then `dev_moe_bench direct` (bit for bit, CPU, timed with 1 and 8 adapters).
     echo "== op suite, MoE LoRA cases"
     run_sharded 'Moe*LORA*' op_suite_moe_lora 200
-    for tool in memcheck racecheck; do
-      timeout 100 compute-sanitizer --tool $tool --error-exitcode 3 ./.device/moelora_op_suite \
-        --gtest_filter='MoeSanitize*lora_per_pair*' > $out/${tool}_moe_lora_per_pair.log 2>&1
-      echo "$tool exit $?"; tail -2 $out/${tool}_moe_lora_per_pair.log
-    done
+    run_sanitizers 'MoeSanitize*lora_per_pair*' moe_lora_per_pair 100
     echo "== MoE workbench (LoRA per pair)"
     timeout 200 ./.device/dev_moe_bench direct > $out/moe_bench_direct.log 2>&1; echo "exit $?"
     grep -v "ok$" $out/moe_bench_direct.log ;;
@@ -337,11 +339,7 @@ PY
     # the shared experts beside the routed ones, and dev_moe_block's DeepSeek-V3 rows.
     echo "== op suite, MoE LoRA cases"
     run_sharded 'Moe*LORA*:CudaConcurrently*' op_suite_moe_lora_beside 200
-    for tool in memcheck racecheck; do
-      timeout 70 compute-sanitizer --tool $tool --error-exitcode 3 ./.device/moelora_op_suite \
-        --gtest_filter='MoeSanitize*lora_beside*' > $out/${tool}_moe_lora_beside.log 2>&1
-      echo "$tool exit $?"; tail -2 $out/${tool}_moe_lora_beside.log
-    done
+    run_sanitizers 'MoeSanitize*lora_beside*' moe_lora_beside 70
     echo "== MoE workbench (LoRA beside the GEMMs)"
     timeout 150 ./.device/dev_moe_bench beside > $out/moe_bench_beside.log 2>&1; echo "exit $?"
     grep -v "ok$" $out/moe_bench_beside.log
@@ -388,10 +386,7 @@ PY
     echo "== op suite: the code written without a GPU (down LoRA in moe_reduce, NVFP4 wgmma, penalty slots, wgmma prefill attention)"
     run_sharded 'Moe*LORA*:Moe*nvfp4*:MoeSanitize*:SamplePenaltySlots*:Sample/*edits*:DenseLoraEpilogue*:*Attn*:HeadPass*:*ROPE_KV*' op_suite_unrun 240
     echo "== wgmma prefill attention: memcheck and racecheck on its sanitize case, then the workbench's prefill rows"
-    for tool in memcheck racecheck; do
-      timeout 120 compute-sanitizer --tool $tool --error-exitcode 3 ./.device/moelora_op_suite --gtest_filter='SanitizeAttn*wgmma*' \
-        > $out/${tool}_attn_wgmma.log 2>&1; echo "$tool exit $?"; tail -2 $out/${tool}_attn_wgmma.log
-    done
+    run_sanitizers 'SanitizeAttn*wgmma*' attn_wgmma 120
     timeout 200 ./.device/dev_attention prefill > $out/attention_prefill_wgmma.log 2>&1; echo "exit $?"
     sed -n '/# prefill/,$p' $out/attention_prefill_wgmma.log
     ;;

@@ -57,12 +57,15 @@ struct CudaBackendOptions {
   // H100, 2026-12-05: op suite and verify pass with it; decode step -0.2 to -2.3 % at 1 and 8 tokens.
   bool kv_write_in_head_pass = true;
   // A MoE layer's shared experts (DeepSeek) on a stream of their own, beside the routed experts
-  // (Backend::concurrently; `--shared-experts-concurrent`). Off until dev_moe_block has timed it.
+  // (Backend::concurrently; `--shared-experts-concurrent`). H100, 2026-12-07 (dev_moe_block): faster
+  // at every batch, but with LoRA from 64 tokens not bit-identical to the serial form
+  // (docs/numerics.md): off until that is understood.
   bool shared_experts_concurrent = false;
   // MoE LoRA: the shrinks on the main stream beside the grouped GEMMs, which wait for them only
   // before their epilogues, where cuda_plan::choose_moe_tuning picks it (MoeTuning::
   // lora_shrink_beside_gemm: up to half a pair per expert; `--no-moe-lora-beside-gemm` turns it off).
-  // H100, 2026-12-07: MoE layer with 8 adapters at 1 token 57.2 -> 46.3 us, decode step -8.0 %.
+  // H100, 2026-12-07: MoE layer with 8 adapters at 1 token 57.2 -> 46.2 us; decode step with 8
+  // adapters 5535.8 -> 4986.2 us at 1 token, 9997.1 -> 9696.1 at 8 (bench/RESULTS.md).
   bool moe_lora_shrink_beside_gemm = true;
 };
 

@@ -36,9 +36,10 @@ constexpr double kMoeLoraDownInReduceMinPerExpert = 1.0;
 // shapes, r 16, graph replay, us; bench/logs/2026-12-07-h100-moe-lora-beside.log), default ->
 // beside, 8 adapters: T = 1 57.2 -> 46.3 (+79 % -> +45 % over the base 32.0), 2 69.8 -> 62.0, 4 98.6
 // -> 89.9, 8 144.7 -> 139.9, but 16 193.2 -> 195.6, 32 258.3 -> 258.9, 64 313.1 -> 313.2, 128 354.4
-// -> 358.9, 256 460.3 -> 475.9 (1 adapter alike: wins to T = 8, +1.2 % at 16). Once the GEMM has
-// more rows than the shrink has blocks to hide, sharing the SMs costs what the overlap saves. The
-// decode step with 8 adapters (same card): 1 token -8.0 %, 8 -2.9 %, 64 -0.6 %, 256 +2.1 %.
+// -> 358.9, 256 460.3 -> 475.9 (1 adapter alike: wins to T = 8, +1.2 % at 16). Not profiled why it
+// loses above; likely the shrink's blocks (up to 1056 from 64 tokens) take SMs the longer GEMM would
+// use. The decode step with 8 adapters, beside at every batch (same card): 1 token -8.0 %, 8 -2.9 %,
+// 64 -0.6 %, 256 +2.1 %.
 constexpr double kMoeLoraBesideMaxPerExpert = 0.5;
 }  // namespace
 

@@ -349,9 +349,11 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
   moe_gate_up(g, M);
   if (last == MoeStage::kGateUp) return;
   // act rows of every pair (rows of skipped pairs are never read by moe_down), in the W8A8 and split
-  // regimes. Beside: before the down LoRA kernels, so that these directly precede moe_down.
+  // regimes: right before moe_down, or beside, before the down LoRA kernels, so that these directly
+  // precede moe_down.
   const bool quantize_act = act_fp8 || split;
-  if (quantize_act && beside) quantize_rows(ws.act, s.I, P, s.I, ws.aq, ws.as, M, split ? ws.aq_lo : nullptr);
+  auto quantize_act_rows = [&] { quantize_rows(ws.act, s.I, P, s.I, ws.aq, ws.as, M, split ? ws.aq_lo : nullptr); };
+  if (quantize_act && beside) quantize_act_rows();
 
   // ---- down LoRA (side stream, concurrent with the base down GEMM): shrink + expand into
   // delta_d, or only the shrink when moe_reduce adds u . B itself (tune.lora_down_in_reduce).
@@ -386,7 +388,7 @@ void moe_forward_prefix(const MoeForwardArgs& a, const MoeWorkspace& ws, const M
   d.xs = ws.as;
   d.ldxs = I_groups;
   d.xq_lo = split ? ws.aq_lo : nullptr;
-  if (quantize_act && !beside) quantize_rows(ws.act, s.I, P, s.I, ws.aq, ws.as, M, split ? ws.aq_lo : nullptr);
+  if (quantize_act && !beside) quantize_act_rows();
   d.lora_delta = nullptr;
   d.act = nullptr;
   d.y = ws.y;
