@@ -26,9 +26,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,7 +38,7 @@
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/device_info.h"
 #include "core/tensor.h"
-#include "io/mapped_file.h"
+#include "dev/block_bench.h"
 #include "lora/random_adapter.h"
 #include "model/forward_pass.h"
 #include "model/model.h"
@@ -81,12 +81,6 @@ StepBatch decode_batch(int T, int adapters, int vocab) {
   return s;
 }
 
-std::vector<float> host_values(Backend& b, const Tensor& t) {
-  Tensor h = b.to_host_f32(t);
-  const float* p = h.ptr<float>();
-  return std::vector<float>(p, p + h.numel());
-}
-
 // The eager step's output per (tokens, adapters) of a model's first run, which its run with the
 // shared experts concurrent must repeat bit for bit.
 using Outputs = std::map<std::pair<int, int>, std::vector<float>>;
@@ -96,17 +90,8 @@ bool lora_side_stream = true;
 
 int run_shape(const Shape& shape, bool concurrent, int iters, double copy_gbps, size_t l2_bytes, Outputs& first_run,
               std::ofstream* json) {
-  const std::string path = std::string("bench/configs/") + shape.config;
-  auto text = read_text_file(path);
-  if (!text.ok()) {
-    std::fprintf(stderr, "%s: %s (run from the repository root)\n", path.c_str(), text.status().message().c_str());
-    return 2;
-  }
-  auto parsed = parse_model_config(*text, path);
-  if (!parsed.ok()) {
-    std::fprintf(stderr, "%s\n", parsed.status().message().c_str());
-    return 2;
-  }
+  std::optional<ModelConfig> parsed = dev::bench_config(shape.config);
+  if (!parsed) return 2;
   ModelConfig c = *parsed;
   const int L = layers_for(c, l2_bytes);
   c.num_layers = L;
@@ -177,30 +162,17 @@ int run_shape(const Shape& shape, bool concurrent, int iters, double copy_gbps, 
         return h;
       };
       // Eager (warm-up), capture, then a replay: the replay's output must be the eager one's.
-      const std::vector<float> eager = host_values(b, step().slice_rows(0, T));
+      const std::vector<float> eager = dev::host_values(b, step().slice_rows(0, T));
       (void)step();
-      const std::vector<float> replayed = host_values(b, step().slice_rows(0, T));
-      auto equal = [](const std::vector<float>& a, const std::vector<float>& b) {
-        return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-      };
-      const bool same_replay = equal(eager, replayed);
-      const bool same_serial = !concurrent || equal(eager, first_run.at({T, N}));
+      const std::vector<float> replayed = dev::host_values(b, step().slice_rows(0, T));
+      const bool same_replay = dev::same_bits(eager, replayed);
+      const bool same_serial = !concurrent || dev::same_bits(eager, first_run.at({T, N}));
       const bool same = same_replay && same_serial;
       if (!concurrent) first_run[{T, N}] = eager;
-      // Which comparison failed and by how much (elements that differ, largest |difference|).
-      auto differ = [](const std::vector<float>& a, const std::vector<float>& b) {
-        size_t n = 0;
-        double worst = 0;
-        for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-          if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) {
-            ++n;
-            worst = std::max(worst, static_cast<double>(std::fabs(a[i] - b[i])));
-          }
-        return std::to_string(n) + " of " + std::to_string(a.size()) + " differ, max |d| " + std::to_string(worst);
-      };
+      // Which comparison failed and by how much.
       std::string why;
-      if (!same_replay) why += "  replay vs eager: " + differ(eager, replayed);
-      if (!same_serial) why += "  eager vs serial: " + differ(eager, first_run.at({T, N}));
+      if (!same_replay) why += "  replay vs eager: " + dev::difference(eager, replayed);
+      if (!same_serial) why += "  eager vs serial: " + dev::difference(eager, first_run.at({T, N}));
       b.synchronize();
       b.device_timer_begin();
       for (int it = 0; it < iters; ++it) (void)step();

@@ -14,15 +14,10 @@ for lib in libfmt.so.9 libspdlog.so.1.10 libpcre2-8.so.0 libssl.so.3 libcrypto.s
 done
 strip --strip-debug "$build/tools/moelora" -o "$root/.device/moelora"
 strip --strip-debug "$build/tests/ops/moelora_op_suite" -o "$root/.device/moelora_op_suite"
-# The workbenches, when they were built: MoE (dev/moe_bench.cu).
-[ -x "$build/dev/dev_moe_bench" ] && strip --strip-debug "$build/dev/dev_moe_bench" -o "$root/.device/dev_moe_bench"
-# The whole MoE block through the forward pass (dev/moe_block.cu).
-[ -x "$build/dev/dev_moe_block" ] && strip --strip-debug "$build/dev/dev_moe_block" -o "$root/.device/dev_moe_block"
-# The sampler (dev/sampling.cu) and attention (dev/attention.cu).
-[ -x "$build/dev/dev_sampling" ] && strip --strip-debug "$build/dev/dev_sampling" -o "$root/.device/dev_sampling"
-[ -x "$build/dev/dev_attention" ] && strip --strip-debug "$build/dev/dev_attention" -o "$root/.device/dev_attention"
-# Dense LoRA (dev/lora_dense.cu: the segmented kernel, and `ingemm`, the LoRA inside the GEMM).
-[ -x "$build/dev/dev_lora_dense" ] && strip --strip-debug "$build/dev/dev_lora_dense" -o "$root/.device/dev_lora_dense"
+# The workbenches that were built (dev/*.cu: dev_moe_bench, dev_moe_block, dev_attention_block, ...).
+for w in "$build"/dev/dev_*; do
+  [ -x "$w" ] && strip --strip-debug "$w" -o "$root/.device/$(basename "$w")"
+done
 mkdir -p "$root/.device-pack"
 names=${*:-$(cd "$root/.device" && ls -p | grep -v /)}
 tar -C "$root/.device" -cf - lib $names | xz -T0 -6 > "$root/.device-pack/device.tar.xz"

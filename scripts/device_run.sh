@@ -17,6 +17,12 @@
 #   split    the wgmma MoE op-suite cases and `dev_moe_bench split` (e4m3 x e4m3 wgmmas: W8A16 with
 #            split-form activations, W8A8) against the CPU and the other kernels, timed
 #   moeops   the MoE op-suite cases only (every kernel of the MoE layer vs the CPU reference)
+#   attnblock the attention block (issue 11): the dense LoRA epilogue, attention and head-pass op
+#            cases (the small-M GEMM beside its LoRA shrink, decode splits merged in the kernel),
+#            sanitizers on both, `dev_attention merged`, `dev_attention_block` (Qwen3 with --ab;
+#            JSON records), verify (graphs)
+#   attnstep the decode step on the defaults, and with 8 adapters --no-dense-lora-beside-gemm
+#   attnprof every kernel of the attention block, base and 8 adapters, 1 and 64 tokens (ncu)
 #   loraprof every kernel of one MoE layer with and without 8 LoRA adapters at 1 and 64 tokens (ncu
 #            durations, kernels alone): where issue 10's LoRA tax goes
 #   unrun, unrunstep, unrunmoe (one call each: together they overrun one call's 10 minutes; unrun
@@ -244,24 +250,40 @@ for stage in $stages; do
         log=$out/ncu_moe_lora_T${T}_a${ad}.csv
         timeout 150 ncu --profile-from-start off --print-units base --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread \
           --csv ./.device/dev_moe_bench profile $T -1 -1 -1 $ad > $log 2>&1; echo "ncu T=$T adapters=$ad exit $?"
-        python3 - "$log" <<'PY'
-import csv, sys
-rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
-head, rows = rows[0], rows[1:]
-ki, mi, vi, ii = head.index("Kernel Name"), head.index("Metric Name"), head.index("Metric Value"), head.index("ID")
-per = {}
-for r in rows:
-    per.setdefault(int(r[ii]), {"name": r[ki][:60]})[r[mi]] = r[vi]
-ids = sorted(per)
-last = ids[len(ids) * 2 // 3:]  # the third of three launches
-total = 0.0
-for i in last:
-    d = float(per[i].get("gpu__time_duration.sum", "0").replace(",", "")) / 1000.0
-    total += d
-    print(f"  {d:8.2f} us  grid {per[i].get('launch__grid_size','?'):>6} block {per[i].get('launch__block_size','?'):>4} "
-          f"regs {per[i].get('launch__registers_per_thread','?'):>4}  {per[i]['name']}")
-print(f"  {total:8.2f} us in {len(last)} kernels")
-PY
+        python3 scripts/ncu_durations.py "$log" --last-part 3
+      done
+    done ;;
+  attnblock)
+    echo "== op suite: the dense LoRA epilogue (the GEMM beside its shrink), attention (splits merged in the kernel), head pass"
+    run_sharded 'DenseLoraEpilogue*:Attn/*:HeadPass*:*ROPE_KV*' op_suite_attnblock 200
+    run_sanitizers 'DenseLoraEpilogue*beside*:Attn/*merged*' attnblock 120
+    echo "== decode attention: the splits merged by their last block (v10) vs the combine launch (v1)"
+    timeout 90 ./.device/dev_attention merged > $out/attention_merged.log 2>&1; echo "exit $?"; cat $out/attention_merged.log
+    echo "== attention block workbench (Qwen3 also with the GEMMs waiting for their LoRA shrinks: same bits)"
+    timeout 200 ./.device/dev_attention_block qwen3 --ab --json $out/attention_block_records.jsonl > $out/attention_block_qwen3.log 2>&1
+    echo "exit $?"; cat $out/attention_block_qwen3.log
+    timeout 150 ./.device/dev_attention_block mixtral deepseek --iters 10 --json $out/attention_block_records.jsonl > $out/attention_block_others.log 2>&1
+    echo "exit $?"; grep -v "^#" $out/attention_block_others.log
+    echo "== verify cuda (graphs)"
+    timeout 120 $bin verify --fixtures tests/fixtures --backend cuda > $out/verify_cuda.log 2>&1
+    echo "exit $?"; grep "all cases" $out/verify_cuda.log; tail -1 $out/verify_cuda.log ;;
+  attnstep)
+    echo "== decode step (default, then 8 adapters with --no-dense-lora-beside-gemm)"
+    timeout 150 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8,64,256 --adapters 0,8 \
+      --rank 16 --iters 10 --json $out/bench_records.jsonl 2>&1 | grep -v "^\["
+    timeout 100 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8 --adapters 8 \
+      --rank 16 --iters 10 --no-dense-lora-beside-gemm --json $out/bench_records.jsonl 2>&1 | grep -v "^\[" ;;
+  attnprof)
+    # Where the attention block's time goes (issue 11): every kernel of one replayed step of
+    # dev_attention_block (L Qwen3-30B-A3B blocks), per block, base and 8 adapters, 1 and 64 tokens.
+    for T in 1 64; do
+      for ad in 0 8; do
+        log=$out/ncu_attention_block_T${T}_a${ad}.csv
+        timeout 150 ncu --profile-from-start off --print-units base --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread \
+          --csv ./.device/dev_attention_block qwen3 --profile $T $ad > $log 2>&1; echo "ncu T=$T adapters=$ad exit $?"
+        grep "^profiled" $log
+        L=$(grep -o "([0-9]* layers)" $log | grep -o "[0-9]*")
+        python3 scripts/ncu_durations.py "$log" --by-name ${L:-1}
       done
     done ;;
   split)

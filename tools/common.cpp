@@ -79,6 +79,9 @@ void add_cuda_backend_flags(CLI::App* cmd, BackendOptions& o) {
                 "CUDA: never run the MoE LoRA shrinks beside the expert GEMMs (one stream, the GEMMs waiting for them "
                 "only before their epilogues; the default up to half a routed pair per expert) but before them or on "
                 "a side stream");
+  cmd->add_flag("!--no-dense-lora-beside-gemm", o.cuda_dense_lora_beside_gemm,
+                "CUDA: with the projections' LoRA inside their GEMM, let the GEMM wait for the LoRA shrink before "
+                "it starts instead of streaming its weights beside it and waiting only before its epilogue");
 }
 
 }  // namespace moelora::tools

@@ -52,6 +52,12 @@ class Body {
     return moe(lw, x);
   }
 
+  Tensor attention_of_layer(int l, const Tensor& x, KvLayer& kv) {
+    const LayerWeights& lw = w_.layers[l];
+    layer_lora_ = lora_ ? &(*lora_)[l] : nullptr;
+    return c_.is_mla() ? attention_mla(lw.attn, x, kv) : attention_gqa(lw.attn, x, kv);
+  }
+
  private:
   const LoraModuleTable* tab(LoraTarget t) const { return layer_lora_ ? layer_lora_->get(t) : nullptr; }
 
@@ -228,6 +234,11 @@ Tensor forward_body(const ForwardModel& m, const StepBatch& step, std::vector<Kv
 Tensor moe_block(const ForwardModel& m, int layer, const Tensor& x, const LoraTables* lora) {
   MOELORA_CHECK_MSG(layer >= 0 && layer < m.cfg.num_layers, "layer {} of {}", layer, m.cfg.num_layers);
   return Body(m, lora).moe_of_layer(layer, x);
+}
+
+Tensor attention_block(const ForwardModel& m, int layer, const Tensor& x, KvLayer& kv, const LoraTables* lora) {
+  MOELORA_CHECK_MSG(layer >= 0 && layer < m.cfg.num_layers, "layer {} of {}", layer, m.cfg.num_layers);
+  return Body(m, lora).attention_of_layer(layer, x, kv);
 }
 
 }  // namespace moelora

@@ -36,4 +36,11 @@ Tensor forward_body(const ForwardModel& m, const StepBatch& step, std::vector<Kv
 // (before the residual add). The MoE block workbench (dev/moe_block.cu) times it alone.
 Tensor moe_block(const ForwardModel& m, int layer, const Tensor& x, const LoraTables* lora);
 
+// The attention of layer `layer` as forward_body runs it, for its normed input x [T, hidden] of
+// the step the backend is running: GQA (q|k|v, head norms, RoPE, the cache write, attention over
+// `kv`, o_proj) or MLA in the model's form, with the LoRA of `lora` (may be null). Returns o_proj's
+// output [T, hidden] (before the residual add). The attention block workbench
+// (dev/attention_block.cu) times it alone.
+Tensor attention_block(const ForwardModel& m, int layer, const Tensor& x, KvLayer& kv, const LoraTables* lora);
+
 }  // namespace moelora

@@ -15,17 +15,28 @@ double weight_bytes(const ModelConfig& c) {
   return c.weight_format.is_dense() ? 2.0 : c.weight_format.bytes_per_weight();
 }
 
-bool is_shared_expert_target(LoraTarget t) {
-  return t == LoraTarget::kSharedGate || t == LoraTarget::kSharedUp || t == LoraTarget::kSharedDown;
+// Which projections of a layer a floor counts.
+enum class Projections { kAttention, kDenseMlp, kSharedExperts };
+
+Projections group_of(LoraTarget t) {
+  switch (t) {
+    case LoraTarget::kSharedGate:
+    case LoraTarget::kSharedUp:
+    case LoraTarget::kSharedDown: return Projections::kSharedExperts;
+    case LoraTarget::kGate:
+    case LoraTarget::kUp:
+    case LoraTarget::kDown: return Projections::kDenseMlp;
+    default: return Projections::kAttention;
+  }
 }
 
-// The projections of layer `l` (shared experts or the rest) and the LoRA factors of
-// `adapters` adapters on them: every adapter reads its whole A and B of each target.
-double projection_bytes(const ModelConfig& c, int l, int adapters, int rank, bool shared_experts) {
+// The projections of layer `l` in `group` and the LoRA factors of `adapters` adapters on them:
+// every adapter reads its whole A and B of each target.
+double projection_bytes(const ModelConfig& c, int l, int adapters, int rank, Projections group) {
   double total = 0;
   for (int t = 0; t < kNumLoraTargets; ++t) {
     const auto target = static_cast<LoraTarget>(t);
-    if (is_shared_expert_target(target) != shared_experts) continue;
+    if (group_of(target) != group) continue;
     auto [in, out] = lora_target_shape(c, l, target);
     if (in == 0) continue;
     total += static_cast<double>(in) * out * weight_bytes(c) + adapters * 2.0 * rank * (in + out);
@@ -49,7 +60,7 @@ double moe_block_floor_bytes(const ModelConfig& c, int layer, int tokens, int ad
   double pairs = 0;
   for (int a = 0; a < n_eff; ++a) pairs += expected_distinct_experts(c, static_cast<double>(tokens) / n_eff);
   total += pairs * 2.0 * rank * (2 * H + 3 * I);
-  return total + projection_bytes(c, layer, n_eff, rank, /*shared_experts=*/true);
+  return total + projection_bytes(c, layer, n_eff, rank, Projections::kSharedExperts);
 }
 
 double decode_step_floor_bytes(const ModelConfig& c, const KvShape& kv, int tokens, int adapters, int rank,
@@ -57,12 +68,22 @@ double decode_step_floor_bytes(const ModelConfig& c, const KvShape& kv, int toke
   const int n_eff = std::min(adapters, tokens);
   double total = 2.0 * c.vocab_size * c.hidden_size;  // bf16 lm_head
   for (int l = 0; l < c.num_layers; ++l) {
-    total += projection_bytes(c, l, n_eff, rank, /*shared_experts=*/false);
+    total += projection_bytes(c, l, n_eff, rank, Projections::kAttention) +
+             projection_bytes(c, l, n_eff, rank, Projections::kDenseMlp);
     if (c.layer_is_moe[l]) total += moe_block_floor_bytes(c, l, tokens, adapters, rank);
   }
   // The cache as the model holds it (Model::kv_shape: per-head K and V, or an MLA latent).
   total += static_cast<double>(tokens) * context * c.num_layers * static_cast<double>(kv.values_per_token()) * 2.0;
   return total;
+}
+
+double attention_block_floor_bytes(const ModelConfig& c, const KvShape& kv, int layer, int tokens, int adapters,
+                                   int rank, int context) {
+  MOELORA_CHECK_MSG(layer >= 0 && layer < c.num_layers, "layer {} of {}", layer, c.num_layers);
+  const int n_eff = std::min(adapters, tokens);
+  // Read: `context` cached positions per sequence; written: the step's own token per sequence.
+  const double cache = static_cast<double>(tokens) * (context + 1) * static_cast<double>(kv.values_per_token()) * 2.0;
+  return projection_bytes(c, layer, n_eff, rank, Projections::kAttention) + cache;
 }
 
 }  // namespace moelora

@@ -22,6 +22,7 @@ Result<std::unique_ptr<Backend>> make_backend(const BackendOptions& opts) {
     o.kv_write_in_head_pass = opts.cuda_kv_write_in_head_pass;
     o.shared_experts_concurrent = opts.cuda_shared_experts_concurrent;
     o.moe_lora_shrink_beside_gemm = opts.cuda_moe_lora_beside_gemm;
+    o.dense_lora_shrink_beside_gemm = opts.cuda_dense_lora_beside_gemm;
     return std::unique_ptr<Backend>(std::make_unique<CudaBackend>(o));
 #else
     return unsupported("this moelora was built without CUDA (configure with -DMOELORA_CUDA=ON on a machine with nvcc)");

@@ -19,6 +19,7 @@ struct BackendOptions {
   bool cuda_kv_write_in_head_pass = true;  // CUDA: the KV cache write inside the rotation's launch
   bool cuda_shared_experts_concurrent = false;  // CUDA: shared experts on their own stream
   bool cuda_moe_lora_beside_gemm = true;        // CUDA: MoE LoRA shrinks beside the grouped GEMMs
+  bool cuda_dense_lora_beside_gemm = true;      // CUDA: dense LoRA shrinks beside the small-M GEMMs
 };
 
 Result<std::unique_ptr<Backend>> make_backend(const BackendOptions& opts);

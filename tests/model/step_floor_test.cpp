@@ -73,5 +73,30 @@ TEST(StepFloor, DecodeStepHoldsItsMoeBlocksAndTheCache) {
   EXPECT_GT(decode_step_floor_bytes(c, kv, 4, 2, 16, 0), blocks + 2.0 * c.vocab_size * c.hidden_size);
 }
 
+// Qwen3-30B-A3B's attention (32 query heads, 4 KV heads of 128, hidden 2048): q|k|v and o in FP8,
+// r (in + out) bf16 values per target and adapter, the cache read over the context and the step's
+// own K and V written.
+TEST(StepFloor, AttentionBlockIsProjectionsTheirLoraAndTheCache) {
+  const ModelConfig c = bench_config("qwen3-30b-a3b-fp8.json");
+  const KvShape kv = kv_shape(c, false);
+  const double H = 2048, q = 32 * 128, k = 4 * 128, wb = c.weight_format.bytes_per_weight();
+  const double weights = (H * (q + 2 * k) + q * H) * wb;
+  const double per_position = 2.0 * k * 2.0;  // K and V, bf16
+  ASSERT_DOUBLE_EQ(kv.values_per_token() * 2.0, per_position);
+  EXPECT_NEAR(attention_block_floor_bytes(c, kv, 0, 1, 0, 16, 0), weights + per_position, 1e-9 * weights);
+  const double lora = 2.0 * 16 * ((H + q) + 2 * (H + k) + (q + H));
+  EXPECT_NEAR(attention_block_floor_bytes(c, kv, 0, 1, 1, 16, 0), weights + lora + per_position, 1e-9 * weights);
+  // More adapters than tokens read no more factors; 64 sequences of 512 positions read 64 x 512.
+  EXPECT_DOUBLE_EQ(attention_block_floor_bytes(c, kv, 0, 1, 8, 16, 0), attention_block_floor_bytes(c, kv, 0, 1, 1, 16, 0));
+  EXPECT_NEAR(attention_block_floor_bytes(c, kv, 0, 64, 0, 16, 512), weights + 64 * 513 * per_position,
+              1e-9 * weights);
+  // The decode step holds every layer's attention block (with the cache) and every MoE block.
+  double blocks = 2.0 * c.vocab_size * c.hidden_size;
+  for (int l = 0; l < c.num_layers; ++l)
+    blocks += attention_block_floor_bytes(c, kv, l, 4, 2, 16, 100) + moe_block_floor_bytes(c, l, 4, 2, 16);
+  // The step floor counts the cache read only (context), the blocks its write too (context + 1).
+  EXPECT_NEAR(decode_step_floor_bytes(c, kv, 4, 2, 16, 100), blocks - 4 * c.num_layers * per_position, 1e-9 * blocks);
+}
+
 }  // namespace
 }  // namespace moelora

@@ -3,7 +3,9 @@
 // part by part (q, k, v of a fused projection with their own factors), with per-token adapters
 // (-1 and out-of-range slots: none), mixed ranks 0..128, FP8 / bf16 / NVFP4 weights, the small-M
 // and naive kernels and the dispatcher. Rows of tokens without an adapter are bit for bit the GEMM
-// without LoRA.
+// without LoRA. Beside cases also launch the GEMM behind the shrink with programmatic dependent
+// launch, waiting for it only before its epilogue (DenseLoraEpilogue::wait_before_epilogue, the
+// backend's default): its output must be the waiting GEMM's bit for bit.
 //
 // Tolerance 4e-3 row-relative, as every single-rounding op: f32 shrink and expand over bf16 factors
 // and inputs, added to the f32 base sum before y's one bf16 rounding (the separate LoRA kernel
@@ -30,12 +32,13 @@ struct EpilogueCase {
   int slots = 4;
   std::string weights = "fp8";  // fp8 | bf16 | nvfp4
   Kernel kernel = Kernel::kSmall;
+  bool beside = false;
   std::string name() const {
     std::string o;
     for (size_t i = 0; i < outs.size(); ++i) o += (i ? "+" : "") + std::to_string(outs[i]);
     const char* k = kernel == Kernel::kSmall ? "small" : kernel == Kernel::kNaive ? "naive" : "dispatch";
     return "DENSE_LORA_EPILOGUE(M=" + std::to_string(M) + ",in=" + std::to_string(in) + ",out=" + o +
-           ",slots=" + std::to_string(slots) + "," + weights + "," + k + ")";
+           ",slots=" + std::to_string(slots) + "," + weights + "," + k + (beside ? ",beside" : "") + ")";
   }
 };
 void PrintTo(const EpilogueCase& c, std::ostream* os) { *os << c.name(); }
@@ -167,6 +170,24 @@ TEST_P(DenseLoraEpilogueTest, MatchesCpu) {
   }
   MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<float> got = y.download(), got_base = y_base.download();
+  if (c.beside) {  // the shrink then the GEMM behind it, as CudaBackend::linear_lora_in_gemm runs them
+    cudaStream_t st = nullptr;
+    MOELORA_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    DevMat y2(c.M, N, N + 8);
+    u.poison(0xFF);
+    MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
+    cuda::DenseArgs b = a;
+    b.y = y2.ptr(), b.ld_y = y2.ld;
+    cuda::DenseLoraShrinkParams bsp = sp;
+    bsp.pdl = true;
+    b.lora.wait_before_epilogue = cuda::launch_dense_lora_shrink(bsp, st);
+    ASSERT_TRUE(b.lora.wait_before_epilogue);
+    cuda::launch_dense_small_m(b, st);
+    MOELORA_CUDA_CHECK(cudaStreamSynchronize(st));
+    MOELORA_CUDA_CHECK(cudaStreamDestroy(st));
+    EXPECT_TRUE(y2.download() == got) << "the GEMM beside the shrink differs from the one waiting for it";
+    EXPECT_TRUE(y2.padding_intact()) << "output padding or guard overwritten (beside)";
+  }
   EXPECT_CLOSE_ROWS(got, ref, c.M, N, kTol);
   for (int t = 0; t < c.M; ++t) {
     if (ref_slot[t] >= 0) continue;
@@ -194,6 +215,12 @@ std::vector<EpilogueCase> epilogue_cases() {
   v.push_back({300, 256, {128}, 4, "bf16", Kernel::kDispatch});
   // Qwen3-30B-A3B's q|k|v at one token: in 2048, out 4096 + 512 + 512.
   v.push_back({1, 2048, {4096, 512, 512}, 8, "fp8", Kernel::kSmall});
+  // The GEMM beside the shrink: q|k|v and o_proj at Qwen3 shapes, 1 and 8 tokens, and odd sizes.
+  v.push_back({1, 2048, {4096, 512, 512}, 8, "fp8", Kernel::kSmall, true});
+  v.push_back({8, 2048, {4096, 512, 512}, 8, "fp8", Kernel::kSmall, true});
+  v.push_back({1, 4096, {2048}, 8, "fp8", Kernel::kSmall, true});
+  v.push_back({3, 256, {128, 32, 32}, 4, "bf16", Kernel::kSmall, true});
+  v.push_back({5, 256, {96, 32}, 4, "nvfp4", Kernel::kSmall, true});
   return v;
 }
 std::string epilogue_name(const ::testing::TestParamInfo<EpilogueCase>& i) { return gtest_safe(i.param.name()); }

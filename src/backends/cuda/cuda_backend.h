@@ -67,6 +67,10 @@ struct CudaBackendOptions {
   // H100, 2026-12-07: MoE layer with 8 adapters at 1 token 57.2 -> 46.2 us; decode step with 8
   // adapters 5535.8 -> 4986.2 us at 1 token, 9997.1 -> 9696.1 at 8 (bench/RESULTS.md).
   bool moe_lora_shrink_beside_gemm = true;
+  // Dense LoRA inside the GEMM (dense_lora_in_gemm): the small-M GEMM launched behind the shrink
+  // streams its weights beside it and waits for it only before its epilogue, as the MoE GEMMs do
+  // (`--no-dense-lora-beside-gemm` turns it off: the GEMM then waits for the shrink first).
+  bool dense_lora_shrink_beside_gemm = true;
 };
 
 class CudaBackend final : public Backend {
@@ -234,6 +238,10 @@ class CudaBackend final : public Backend {
   std::unique_ptr<cuda::LoraContext> lora_;
   // Arena.
   void* arena_ = nullptr;
+  // Decode attention merges its KV splits in the kernel with these counters (2 MiB: 4096 decode
+  // tokens x 128 kv heads; larger launches run the combine kernel).
+  static constexpr int kSplitArrivals = 1 << 19;
+  int* split_arrivals_ = nullptr;
   size_t arena_bytes_ = 0, arena_used_ = 0;
   size_t arena_peak_ = 0;        // largest arena_used_ since the last fit_scratch
   struct Spill {

@@ -202,7 +202,9 @@ bool CudaBackend::linear_lora_in_gemm(const Tensor& x, const LinearWeight& w, co
   sp.lora = l;
   sp.max_rank = max_rank;
   sp.pdl = true;
-  cuda::launch_dense_lora_shrink(sp, main_);
+  // The GEMM behind the shrink runs its weight streaming beside it where the shrink launched
+  // (CudaBackendOptions::dense_lora_shrink_beside_gemm).
+  l.wait_before_epilogue = cuda::launch_dense_lora_shrink(sp, main_) && opts_.dense_lora_shrink_beside_gemm;
   cuda::DenseArgs a;
   a.x = act(x);
   a.ld_x = x.ld();
@@ -448,6 +450,8 @@ void CudaBackend::run_attention(const Tensor& q, const Tensor& k, const Tensor& 
   p.token_seq = meta_->token_seq;
   p.page_indptr = meta_->page_indptr;
   p.page_indices = meta_->page_indices;
+  p.split_arrivals = split_arrivals_;
+  p.split_arrival_capacity = kSplitArrivals;
   const size_t ws = cuda::attention_workspace_bytes(*attn_plan_, T, heads, kv.v_head_dim);
   void* w = ws ? arena_alloc(ws) : nullptr;
   if (write_cache) cuda::launch_kv_cache_write(p, main_);

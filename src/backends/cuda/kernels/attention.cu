@@ -179,7 +179,7 @@ __device__ __forceinline__ float block_combine(float v, float* red, bool is_max)
 
 template <int DV>
 __global__ void __launch_bounds__(kCombineThreads) attn_combine_kernel(const __grid_constant__ KParams p) {
-  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_wait();  // first: see launch_pdl (launch.cuh)
   pdl_trigger();
   __shared__ float w_split[cuda_plan::kAttentionMaxSplits];
   __shared__ float red[kCombineThreads / 32];
@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(kCombineThreads) attn_combine_kernel(const __g
 // ---- prefill: block = (item of consecutive tokens of one sequence, kv head, row chunk)
 template <int DK, int DV>
 __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(const __grid_constant__ KParams p) {
-  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_wait();  // first: see launch_pdl (launch.cuh)
   pdl_trigger();
   using A = Attn<DK, DV>;
   const int first = p.items[2 * blockIdx.x], count = p.items[2 * blockIdx.x + 1];
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(kThreads) attn_prefill_kernel(const __grid_con
 
 // ---- cache write: one block per token.
 __global__ void kv_write_kernel(const __grid_constant__ KParams p) {
-  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_wait();  // first: see launch_pdl (launch.cuh)
   pdl_trigger();
   const int tok = blockIdx.x;
   const int seq_base = p.a.page_indptr[p.a.token_seq[tok]];
@@ -299,8 +299,10 @@ void launch_dims(const KParams& k, const AttentionPlan& plan, cudaStream_t strea
   if (plan.decode) {
     MOELORA_CHECK_MSG(a.T <= 65535, "attention decode: {} tokens exceed the grid's y extent", a.T);
     attention_prepare();
-    launch_decode<DK, DV>(k, stream);
-    if (plan.max_splits > 1) {
+    KParams kd = k;  // the splits merged by their last block where it can (AttentionParams::split_arrivals)
+    kd.arrivals = decode_merges_in_kernel<DK, DV>(k) ? a.split_arrivals : nullptr;
+    launch_decode<DK, DV>(kd, stream);
+    if (plan.max_splits > 1 && kd.arrivals == nullptr) {
       MOELORA_CHECK_MSG(plan.max_splits <= cuda_plan::kAttentionMaxSplits, "attention: {} decode splits", plan.max_splits);
       launch_pdl(attn_combine_kernel<DV>, dim3(a.T * a.heads), dim3(kCombineThreads), 0, stream, k);
       MOELORA_CUDA_CHECK_LAUNCH();
@@ -412,6 +414,11 @@ AttentionPlan attention_plan(const int32_t* positions, const int32_t* token_seq,
   }
   plan.num_items = static_cast<int>(plan.meta.size() / 2);
   return plan;
+}
+
+int attention_split_arrivals_needed(int T, int heads, int kv_heads) {
+  const int group = heads / kv_heads, per_block = cuda_plan::attention_decode_heads_per_block(group);
+  return T * kv_heads * ((group + per_block - 1) / per_block);
 }
 
 size_t attention_meta_bytes(const AttentionPlan& plan) { return plan.meta.size() * sizeof(int32_t); }

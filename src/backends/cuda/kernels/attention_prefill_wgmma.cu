@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) attn_prefill_wgmma_kernel(co
   using C = PrefillTile<DK, DV>;
   extern __shared__ uint8_t smem_raw[];
   __shared__ int lim_max[kBlockThreads / 32];
-  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_wait();  // first: see launch_pdl (launch.cuh)
   pdl_trigger();
   constexpr uintptr_t kAtom = cuda_plan::kSw128AtomBytes;
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + kAtom - 1) & ~(kAtom - 1));

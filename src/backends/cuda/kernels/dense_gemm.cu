@@ -169,10 +169,11 @@ __global__ void __launch_bounds__(kBlockThreads) dense_small_m_kernel(SmallMPara
   WeightRun<WT> cur, nxt;
   if (kw < kblocks) load_weight_run<WT>(p, r0, r1, v0, v1, run_of(kw), run_of(kw) < p.K, cur);
   // The weights and scales are constants of the model, so the first run is requested before the
-  // wait for the previous kernel (see launch_pdl in cuda_utils.cuh): its DRAM round trip overlaps
+  // wait for the previous kernel (see launch_pdl in launch.cuh): its DRAM round trip overlaps
   // that kernel's tail. Everything that kernel may write (x, y) is touched only after the wait,
-  // which every block reaches (no early exit above).
-  pdl_wait();
+  // which every block reaches (no early exit above). Behind a LoRA shrink (lora.wait_before_epilogue)
+  // the wait moves to the epilogue: x is complete already, only u and y are the shrink's business.
+  if (!p.lora.wait_before_epilogue) pdl_wait();
   pdl_trigger();
   for (int kb = kw; kb < kblocks; kb += k_warps) {
     const int kc = run_of(kb);
@@ -240,6 +241,7 @@ __global__ void __launch_bounds__(kBlockThreads) dense_small_m_kernel(SmallMPara
     mine[(g + 8) * kCols + mt * 8 + 2 * t + 1] = acc[mt][3];
   }
   __syncthreads();
+  if (p.lora.wait_before_epilogue) pdl_wait();  // the shrink's u, and before the first write
   const int rows = 16 * RG;
   for (int idx = threadIdx.x; idx < rows * kCols; idx += blockDim.x) {
     const int rl = idx % rows, col = idx / rows;  // rows fastest: coalesced stores of y
@@ -257,7 +259,7 @@ __global__ void __launch_bounds__(kBlockThreads) dense_small_m_kernel(SmallMPara
 
 // Naive reference: one warp per (token, output row), dequantising as it goes.
 __global__ void dense_naive_kernel(SmallMParams p, WeightType type) {
-  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_wait();  // first: see launch_pdl (launch.cuh)
   pdl_trigger();
   const int64_t wid = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (wid >= static_cast<int64_t>(p.M) * p.N) return;
@@ -370,7 +372,7 @@ void launch_dense_small_m(const DenseArgs& a, cudaStream_t stream, DenseSmallMCo
 namespace {
 // One thread per 16-value group: its 8 packed bytes, its scale and its row's global scale -> 16 bf16.
 __global__ void nvfp4_dequant_kernel(const __grid_constant__ DenseWeight w, bf16* out) {
-  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_wait();  // first: see launch_pdl (launch.cuh)
   pdl_trigger();
   const int groups_per_row = w.in / cuda_plan::kNvfp4Group;
   const int64_t groups = static_cast<int64_t>(w.out) * groups_per_row;

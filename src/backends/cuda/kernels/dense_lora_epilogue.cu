@@ -57,15 +57,16 @@ __global__ void __launch_bounds__(kThreads) dense_lora_shrink_kernel(const __gri
 
 }  // namespace
 
-void launch_dense_lora_shrink(const DenseLoraShrinkParams& p, cudaStream_t stream) {
+bool launch_dense_lora_shrink(const DenseLoraShrinkParams& p, cudaStream_t stream) {
   const DenseLoraEpilogue& l = p.lora;
   MOELORA_CHECK(p.x && p.in > 0 && p.in % 8 == 0 && p.ld_x % 8 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0);
   MOELORA_CHECK(l.u && l.token_slot && l.num_parts >= 1 && l.num_parts <= kDenseLoraMaxParts && l.M >= 0);
   MOELORA_CHECK(p.max_rank >= 0 && p.max_rank <= l.ldu && l.ldu <= kDenseLoraMaxRank);
-  if (l.M == 0 || p.max_rank == 0) return;
+  if (l.M == 0 || p.max_rank == 0) return false;
   const int64_t items = static_cast<int64_t>(l.num_parts) * l.M * ((p.max_rank + kWarps - 1) / kWarps);
   const int grid = static_cast<int>(std::min<int64_t>(items, 4096));  // grid-stride beyond
   launch_kernel(dense_lora_shrink_kernel, dim3(grid), dim3(kThreads), 0, stream, p.pdl, p);
+  return true;
 }
 
 }  // namespace moelora::cuda

@@ -39,6 +39,12 @@ struct DenseLoraEpilogue {
   DenseLoraPart parts[kDenseLoraMaxParts];
   const int32_t* token_slot = nullptr;  // device [M]
   int num_slots = 0;
+  // The GEMM was launched directly behind the shrink that writes u (programmatic dependent launch):
+  // its main loop runs beside the shrink and it waits for it only before the epilogue. Safe by
+  // launch.cuh's rule: the shrink waits for its predecessor before it triggers, so when the GEMM
+  // starts, x (written two launches back) is complete; the GEMM writes nothing before its wait.
+  // The small-M kernel takes it; the naive one waits first anyway.
+  bool wait_before_epilogue = false;
 };
 
 struct DenseLoraShrinkParams {
@@ -50,8 +56,9 @@ struct DenseLoraShrinkParams {
   bool pdl = false;
 };
 // u[q][t][j] for every token with an adapter and j below its rank in part q (other entries are
-// never read by the epilogue and stay as they were).
-void launch_dense_lora_shrink(const DenseLoraShrinkParams& p, cudaStream_t stream);
+// never read by the epilogue and stay as they were). False where nothing was launched (no tokens
+// or rank 0): a GEMM behind it must then wait first (DenseLoraEpilogue::wait_before_epilogue).
+bool launch_dense_lora_shrink(const DenseLoraShrinkParams& p, cudaStream_t stream);
 
 #ifdef __CUDACC__
 // The LoRA delta of output (tok, n): u . B row, f32, j ascending; 0 without an adapter, outside

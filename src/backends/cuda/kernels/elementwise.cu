@@ -23,7 +23,7 @@ int grid_for(int64_t work, int threads) {
 
 // ---- embedding
 __global__ void embed_kernel(EmbedParams p, bool vec) {
-  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_wait();  // first: see launch_pdl (launch.cuh)
   pdl_trigger();
   const int t = blockIdx.x;
   const int id = p.ids[t];
@@ -45,7 +45,7 @@ __global__ void embed_kernel(EmbedParams p, bool vec) {
 constexpr int kSmallGroupMax = 256;
 
 __global__ void rmsnorm_warp_kernel(RmsNormParams p) {
-  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_wait();  // first: see launch_pdl (launch.cuh)
   pdl_trigger();
   const int groups_per_row = p.cols / p.group;
   const int64_t gid = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -79,7 +79,7 @@ __global__ void rmsnorm_warp_kernel(RmsNormParams p) {
 }
 
 __global__ void rmsnorm_block_kernel(RmsNormParams p, bool vec) {
-  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_wait();  // first: see launch_pdl (launch.cuh)
   pdl_trigger();
   const int groups_per_row = p.cols / p.group;
   const int64_t t = blockIdx.x / groups_per_row;
@@ -170,7 +170,7 @@ __device__ __forceinline__ int64_t kv_cache_offset(const KvCacheWrite& c, int64_
 }
 
 __global__ void rope_kernel(RopeParams p) {
-  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_wait();  // first: see launch_pdl (launch.cuh)
   pdl_trigger();
   const int half = p.rot_dim / 2;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -208,7 +208,7 @@ constexpr int kHeadNormRopeMaxDim = 256;
 
 template <int D>  // head_dim: every register index a compile-time constant
 __global__ void head_norm_rope_kernel(HeadNormRopeParams p) {
-  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_wait();  // first: see launch_pdl (launch.cuh)
   pdl_trigger();
   static_assert(D % 64 == 0 && D <= kHeadNormRopeMaxDim, "head_dim");
   constexpr int kHalf = D / 2, kJn = D / 32, kJh = kHalf / 32;
@@ -264,7 +264,7 @@ __global__ void head_norm_rope_kernel(HeadNormRopeParams p) {
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
 __global__ void silu_mul_kernel(SiluMulParams p, bool vec) {
-  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_wait();  // first: see launch_pdl (launch.cuh)
   pdl_trigger();
   const int step = vec ? 8 : 1;
   const int per_row = ceil_div(p.cols, step);
@@ -291,7 +291,7 @@ __global__ void silu_mul_kernel(SiluMulParams p, bool vec) {
 }
 
 __global__ void add_kernel(AddParams p, bool vec) {
-  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_wait();  // first: see launch_pdl (launch.cuh)
   pdl_trigger();
   const int step = vec ? 8 : 1;
   const int per_row = ceil_div(p.cols, step);
@@ -319,7 +319,7 @@ __global__ void add_kernel(AddParams p, bool vec) {
 
 template <typename In, typename Out>
 __global__ void convert_kernel(ConvertParams p) {
-  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_wait();  // first: see launch_pdl (launch.cuh)
   pdl_trigger();
   const int64_t n = static_cast<int64_t>(p.T) * p.cols;
   const In* in = static_cast<const In*>(p.in);
@@ -340,7 +340,7 @@ __global__ void convert_kernel(ConvertParams p) {
 template <typename Unit>
 __global__ void gather_rows_kernel(GatherRowsParams p, int units_per_row, int64_t ld_x_units,
                                    int64_t ld_out_units) {
-  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_wait();  // first: see launch_pdl (launch.cuh)
   pdl_trigger();
   const int r = blockIdx.x;
   const Unit* src = static_cast<const Unit*>(p.x) + static_cast<int64_t>(p.rows[r]) * ld_x_units;
@@ -350,7 +350,7 @@ __global__ void gather_rows_kernel(GatherRowsParams p, int units_per_row, int64_
 
 // ---- MLA k/v split: one block per token.
 __global__ void mla_split_kv_kernel(MlaSplitKvParams p) {
-  pdl_wait();  // first: see launch_pdl (cuda_utils.cuh)
+  pdl_wait();  // first: see launch_pdl (launch.cuh)
   pdl_trigger();
   const int64_t t = blockIdx.x;
   const bf16* src = p.kv + t * p.ld_kv;
