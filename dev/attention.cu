@@ -1,10 +1,8 @@
 // Workbench: paged attention (src/backends/cuda/kernels/attention.*), Qwen3-30B-A3B heads
 // (32 q / 4 kv x 128, bf16 KV, 16-position pages scattered over the cache).
 // Decode versions: v1 the split-KV decode kernel as planned (split count for 2 blocks per SM wanted,
-// pipeline depth by cuda_plan's wave model) with the combine kernel, v2 fewer splits (planned for
-// 66 SMs), v3 more splits (264), v4 the prefill kernel on decode tokens, v5-v7 the plan's splits at
-// 2, 3 and 4 stages, v10 as v1 with the splits merged by their last block (split counters given, as
-// CudaBackend does: no combine launch).
+// pipeline depth by cuda_plan's wave model), v2 fewer splits (planned for 66 SMs), v3 more splits
+// (264), v4 the prefill kernel on decode tokens, v5-v7 the plan's splits at 2, 3 and 4 stages.
 // (The kernel with the query heads as the MMA's rows that this one replaced: bench/RESULTS.md.) Every version is checked against cpu::attention on a small batch first.
 // Decode metric: bytes of K and V read / time, against the copy ceiling (target >= 70 %).
 // Prefill: causal attention of a 4096-token prompt, of a 512-token chunk after 4096 cached and of a
@@ -70,14 +68,8 @@ struct Batch {
   }
 };
 
-// Split counters for the merged version (zero; each launch leaves them zero).
-constexpr int kArrivals = 1 << 16;
-int* g_arrivals = nullptr;
-
-AttentionParams params(const Batch& b, const __nv_bfloat16* q, __nv_bfloat16* out, uint16_t* kc, uint16_t* vc,
-                       bool merged = false) {
+AttentionParams params(const Batch& b, const __nv_bfloat16* q, __nv_bfloat16* out, uint16_t* kc, uint16_t* vc) {
   AttentionParams p;
-  if (merged) p.split_arrivals = g_arrivals, p.split_arrival_capacity = kArrivals;
   p.q = q, p.ld_q = kHeads * kDim;
   p.k = q, p.ld_k = kHeads * kDim;  // unused by the no-write launch
   p.v = q, p.ld_v = kHeads * kDim;
@@ -97,24 +89,18 @@ struct Version {
   int sms;
   int mode;
   int stages = 0;  // AttentionPlanOptions::decode_stages (0: the plan's)
-  bool merged = false;  // splits merged in the kernel (AttentionParams::split_arrivals)
 };
 const Version kVersions[] = {{"v1 decode (plan)", 132, 1},     {"v2 decode 66-SM plan", 66, 1},
                              {"v3 decode 264-SM plan", 264, 1}, {"v4 prefill kernel", 132, 2},
                              {"v5 decode, 2 stages", 132, 1, 2}, {"v6 decode, 3 stages", 132, 1, 3},
-                             {"v7 decode, 4 stages", 132, 1, 4}, {"v10 decode, merged", 132, 1, 0, true}};
+                             {"v7 decode, 4 stages", 132, 1, 4}};
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  // `dev_attention prefill`: the prefill rows only (scripts/device_run.sh unrun); `dev_attention
-  // merged`: the checks, then v1 against v10 only (the split merge in the kernel vs the combine
-  // launch) at 1-64 sequences.
+  // `dev_attention prefill`: the prefill rows only (scripts/device_run.sh unrun).
   const bool prefill_only = argc > 1 && std::string(argv[1]) == "prefill";
-  const bool merged_only = argc > 1 && std::string(argv[1]) == "merged";
   attention_prepare();  // kernel attributes before any graph capture
-  const DeviceArray<int32_t> arrivals(std::vector<int32_t>(kArrivals, 0));
-  g_arrivals = arrivals.get();
   const double copy = print_ceilings("attention");
   FastRng rng(11);
   const size_t row = size_t(kKvHeads) * kDim;  // elements per cache row, K or V
@@ -167,7 +153,7 @@ int main(int argc, char** argv) {
         const AttentionPlan plan = attention_plan(b.pos.data(), b.seq.data(), 3, kHeads, kKvHeads, kDim, kDim, o);
         attention_upload_plan(plan, meta, 1 << 20, nullptr);
         MOELORA_CUDA_CHECK(cudaMemset(out, 0xff, size_t(3) * kHeads * kDim * 2));
-        launch_attention_no_cache_write(params(b, q, out, kc, vc, v.merged), plan, meta, ws, ws_bytes, nullptr);
+        launch_attention_no_cache_write(params(b, q, out, kc, vc), plan, meta, ws, ws_bytes, nullptr);
         MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
         const auto got = from_bf16(outbuf.download(size_t(3) * kHeads * kDim));
         std::printf("# check %s: splits %d, max row rel err %.2e\n", v.name, plan.max_splits,
@@ -180,7 +166,7 @@ int main(int argc, char** argv) {
     for (int ctx : {512, 1024, 4096, 16384}) {
       for (int B : {1, 8, 32, 64, 128, 256}) {
         const double kv_bytes = double(B) * ctx * row * 2 * 2;
-        if (kv_bytes > 4.5e9 || (merged_only && (B == 32 || B > 64))) continue;
+        if (kv_bytes > 4.5e9) continue;
         Batch b;
         b.build(rng, B, ctx - 1, 1);  // each sequence's token sits at position ctx - 1: ctx keys
         const size_t n = size_t(b.pages) * kPage * row;
@@ -196,7 +182,6 @@ int main(int argc, char** argv) {
         MOELORA_CUDA_CHECK(cudaDeviceSynchronize());
         for (const Version& v : kVersions) {
           if (v.mode == 2 && ctx > 1024) continue;  // a known-slow path: one size is enough to show it
-          if (merged_only && v.name[1] != '1') continue;  // v1 and v10
           AttentionPlanOptions o;
           o.num_sms = v.sms, o.force_mode = v.mode, o.decode_stages = v.stages;
           const AttentionPlan plan = attention_plan(b.pos.data(), b.seq.data(), B, kHeads, kKvHeads, kDim, kDim, o);
@@ -204,14 +189,14 @@ int main(int argc, char** argv) {
           MOELORA_CHECK(attention_workspace_bytes(plan, B, kHeads, kDim) <= ws_bytes);
           const double us = time_graph_us(
               [&](cudaStream_t s, int c) {
-                launch_attention_no_cache_write(params(b, q, out, kc[c], vc[c], v.merged), plan, meta, ws, ws_bytes, s);
+                launch_attention_no_cache_write(params(b, q, out, kc[c], vc[c]), plan, meta, ws, ws_bytes, s);
               },
               copies);
           const double gbs = kv_bytes / (us * 1e-6) / 1e9;
           std::printf("%5d %6d %-22s %6d %9.2f %9.0f %7.1f%%\n", B, ctx, v.name, plan.decode ? plan.max_splits : 0, us, gbs,
                       100.0 * gbs / copy);
         }
-        if (!merged_only && ctx == 4096 && B == 64) {
+        if (ctx == 4096 && B == 64) {
           // The same KV bytes as 4x the sequences with 8 query heads on 1 kv head x 128: every cache
           // row is one contiguous 256-byte piece. Does interleaving 4 kv heads in a row cost bandwidth?
           Batch b1;
@@ -231,7 +216,7 @@ int main(int argc, char** argv) {
           std::printf("%5d %6d %-22s %6d %9.2f %9.0f %7.1f%%\n", 4 * B, ctx, "v8 decode, 8/1 heads", plan.max_splits, us,
                       gbs, 100.0 * gbs / copy);
         }
-        if (!merged_only && ctx == 4096) {
+        if (ctx == 4096) {
           // The same batch with every sequence's pages in order: does scattering pages cost bandwidth?
           Batch bo;
           bo.build(rng, B, ctx - 1, 1, false);
@@ -249,7 +234,6 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (merged_only) return 0;
   // ---- prefill timing: the mma.sync kernel and the wgmma kernel (AttentionPlanOptions::prefill_kernel
   // 1 and 2) on the same inputs; the wgmma output is checked against the mma.sync one (both are
   // checked against cpu::attention by the op suite): worst row-relative rms difference.

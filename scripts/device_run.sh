@@ -18,11 +18,13 @@
 #            split-form activations, W8A8) against the CPU and the other kernels, timed
 #   moeops   the MoE op-suite cases only (every kernel of the MoE layer vs the CPU reference)
 #   attnblock the attention block (issue 11): the dense LoRA epilogue, attention and head-pass op
-#            cases (the small-M GEMM beside its LoRA shrink, decode splits merged in the kernel),
-#            sanitizers on both, `dev_attention merged`, `dev_attention_block` (Qwen3 with --ab;
-#            JSON records), verify (graphs)
+#            cases (the small-M GEMM beside its LoRA shrink), sanitizers on the beside cases,
+#            `dev_attention_block` (Qwen3 with --ab; JSON records), verify (graphs)
+#            (its 2026-12-07 run also timed a split merge inside the decode kernel, `dev_attention
+#            merged`, since removed: slower everywhere, bench/RESULTS.md)
 #   attnstep the decode step on the defaults, and with 8 adapters --no-dense-lora-beside-gemm
-#   attnprof every kernel of the attention block, base and 8 adapters, 1 and 64 tokens (ncu)
+#   attnprof every kernel of the attention block, base and 8 adapters, 1 and 64 tokens (ncu);
+#            DeepSeek-V3's MLA block at one token
 #   loraprof every kernel of one MoE layer with and without 8 LoRA adapters at 1 and 64 tokens (ncu
 #            durations, kernels alone): where issue 10's LoRA tax goes
 #   unrun, unrunstep, unrunmoe (one call each: together they overrun one call's 10 minutes; unrun
@@ -254,11 +256,9 @@ for stage in $stages; do
       done
     done ;;
   attnblock)
-    echo "== op suite: the dense LoRA epilogue (the GEMM beside its shrink), attention (splits merged in the kernel), head pass"
+    echo "== op suite: the dense LoRA epilogue (the GEMM beside its shrink), attention, head pass"
     run_sharded 'DenseLoraEpilogue*:Attn/*:HeadPass*:*ROPE_KV*' op_suite_attnblock 200
-    run_sanitizers 'DenseLoraEpilogue*beside*:Attn/*merged*' attnblock 120
-    echo "== decode attention: the splits merged by their last block (v10) vs the combine launch (v1)"
-    timeout 90 ./.device/dev_attention merged > $out/attention_merged.log 2>&1; echo "exit $?"; cat $out/attention_merged.log
+    run_sanitizers 'DenseLoraEpilogue*beside*' attnblock 120
     echo "== attention block workbench (Qwen3 also with the GEMMs waiting for their LoRA shrinks: same bits)"
     timeout 200 ./.device/dev_attention_block qwen3 --ab --json $out/attention_block_records.jsonl > $out/attention_block_qwen3.log 2>&1
     echo "exit $?"; cat $out/attention_block_qwen3.log
@@ -285,7 +285,13 @@ for stage in $stages; do
         L=$(grep -o "([0-9]* layers)" $log | grep -o "[0-9]*")
         python3 scripts/ncu_durations.py "$log" --by-name ${L:-1}
       done
-    done ;;
+    done
+    log=$out/ncu_attention_block_deepseek_T1_a0.csv  # MLA (absorbed) at one token
+    timeout 150 ncu --profile-from-start off --print-units base --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread \
+      --csv ./.device/dev_attention_block deepseek --profile 1 0 > $log 2>&1; echo "ncu deepseek T=1 exit $?"
+    grep "^profiled" $log
+    L=$(grep -o "([0-9]* layers)" $log | grep -o "[0-9]*")
+    python3 scripts/ncu_durations.py "$log" --by-name ${L:-1} ;;
   split)
     echo "== op suite, wgmma MoE cases (dequantising, split form, W8A8)"
     timeout 300 ./.device/moelora_op_suite --gtest_brief=1 --gtest_filter='Moe*wgmma*:MoeSanitize*' > $out/op_suite_split.log 2>&1

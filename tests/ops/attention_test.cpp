@@ -2,10 +2,7 @@
 // earlier positions already in the cache (random pages, non-contiguous), this step's tokens
 // (decode: one per sequence; prefill: chunks, possibly after cached prefixes), runs cache write +
 // attention, and checks the outputs, the cache rows written, and that cache rows nobody wrote
-// (filled with NaN on the device) never leak into any output. Merged cases give the decode kernel
-// its split counters (AttentionParams::split_arrivals): the last split block merges the splits, no
-// combine launch; the counters must be zero again after every launch (graph replays).
-#include <algorithm>
+// (filled with NaN on the device) never leak into any output.
 #include <numeric>
 
 #include "backends/cuda/kernels/attention.cuh"
@@ -30,7 +27,6 @@ struct AttnCase {
   bool graph = false;
   int stages = 0;  // decode pipeline depth forced (0: the plan's)
   int prefill_kernel = 0;  // AttentionPlanOptions::prefill_kernel (2: the wgmma kernel)
-  bool merged = false;     // decode splits merged in the kernel (split counters given)
   std::string name() const {
     auto list = [](const std::vector<int>& v) {
       if (v.size() > 4) {  // large batches: count and range, not every length
@@ -45,7 +41,7 @@ struct AttnCase {
            std::to_string(kv_heads) + ",d=" + std::to_string(dk) + "/" + std::to_string(dv) +
            ",ps=" + std::to_string(page_size) + (force_mode == 1 ? ",force-decode" : force_mode == 2 ? ",force-prefill" : "") +
            (num_sms != 132 ? ",sms=" + std::to_string(num_sms) : "") + (graph ? ",graph" : "") +
-           (stages ? ",stages=" + std::to_string(stages) : "") + (prefill_kernel == 2 ? ",wgmma" : "") + (merged ? ",merged" : "") + ")";
+           (stages ? ",stages=" + std::to_string(stages) : "") + (prefill_kernel == 2 ? ",wgmma" : "") + ")";
   }
 };
 
@@ -121,9 +117,6 @@ TEST_P(Attention, MatchesCpu) {
   p.v_cache = reinterpret_cast<__nv_bfloat16*>(dvc.get());
   p.page_size = c.page_size, p.kv_heads = c.kv_heads, p.k_head_dim = c.dk, p.v_head_dim = c.dv;
   p.positions = dpos.get(), p.token_seq = dseq.get(), p.page_indptr = dptr.get(), p.page_indices = dind.get();
-  const int arrivals_needed = std::max(cuda::attention_split_arrivals_needed(T, c.heads, c.kv_heads), 1);
-  DeviceArray<int32_t> arrivals(std::vector<int32_t>(arrivals_needed, 0));
-  if (c.merged) p.split_arrivals = arrivals.get(), p.split_arrival_capacity = arrivals_needed;
   cuda::AttentionPlanOptions opt;
   opt.num_sms = c.num_sms;
   opt.force_mode = c.force_mode;
@@ -171,13 +164,6 @@ TEST_P(Attention, MatchesCpu) {
     for (int i = 0; i < vw; ++i) ASSERT_EQ(bf16_to_f32(vgot[row * vw + i]), v.host[t * vw + i]);
   }
   EXPECT_TRUE(dkc.guard_intact() && dvc.guard_intact() && ws.guard_intact() && meta.guard_intact());
-  if (c.merged) {
-    ASSERT_TRUE(plan.decode && plan.max_splits > 1) << "a merged case must split its KV";
-    const std::vector<int32_t> left = arrivals.download();
-    EXPECT_EQ(std::count(left.begin(), left.end(), 0), static_cast<long>(left.size()))
-        << "split counters not reset to zero";
-    EXPECT_TRUE(arrivals.guard_intact());
-  }
 }
 
 std::vector<AttnCase> attn_cases() {
@@ -221,30 +207,6 @@ std::vector<AttnCase> attn_cases() {
     AttnCase d{{333, 64}, {1, 1}, 16, 1, 192, 128, 16, 0, 8};
     d.stages = st;
     add(d);
-  }
-  // Splits merged by their last block: the split cases above, every depth, 16 heads a block, a
-  // 256-sequence batch, odd pages, and a graph replayed twice (the counters reset each time).
-  auto merged = [&](AttnCase c) {
-    c.merged = true;
-    add(c);
-  };
-  merged({{3000, 1200}, {1, 1}, 32, 4, 128, 128, 16});
-  merged({{2500}, {1}, 8, 1, 64, 64, 5, 0, 16});
-  merged({{500, 33}, {1, 1}, 16, 1, 192, 128, 16, 0, 8});
-  merged({{16000}, {1}, 32, 4, 128, 128, 16});
-  for (int st : {2, 3, 4}) {
-    AttnCase c{{700, 20, 129, 0}, {1, 1, 1, 1}, 32, 4, 128, 128, 16, 0, 16};
-    c.stages = st;
-    merged(c);
-  }
-  {
-    AttnCase c{std::vector<int>(64), std::vector<int>(64, 1), 32, 4, 128, 128, 16, 0, 16};
-    Rng r(11);
-    for (auto& x : c.cached) x = r.integer(0, 3000);
-    merged(c);
-    AttnCase g{{700, 20}, {1, 1}, 32, 4, 128, 128, 16};
-    g.graph = true;
-    merged(g);
   }
   // CUDA graph: plan sized for 4096 positions, replayed.
   {

@@ -41,10 +41,6 @@ CudaBackend::CudaBackend(const CudaBackendOptions& opts) : opts_(opts), meta_(st
   attn_plan_ = std::make_unique<cuda::AttentionPlan>();
   arena_bytes_ = opts.arena_bytes;
   MOELORA_CUDA_CHECK(cudaMalloc(&arena_, arena_bytes_));
-  // Decode attention's split counters (AttentionParams::split_arrivals): zero once, and every
-  // launch leaves them zero.
-  MOELORA_CUDA_CHECK(cudaMalloc(&split_arrivals_, kSplitArrivals * sizeof(int)));
-  MOELORA_CUDA_CHECK(cudaMemset(split_arrivals_, 0, kSplitArrivals * sizeof(int)));
 }
 
 // The host-side mirror of the kernels' limits must agree with the constants the kernels export.
@@ -70,7 +66,6 @@ CudaBackend::~CudaBackend() {
   if (meta_ && meta_->pinned) cudaFreeHost(meta_->pinned);
   if (meta_ && meta_->plan_pinned) cudaFreeHost(meta_->plan_pinned);
   if (arena_) cudaFree(arena_);
-  if (split_arrivals_) cudaFree(split_arrivals_);
   for (const Spill& sp : spills_) cudaFree(sp.ptr);
   for (cudaEvent_t e : {ev_ids_, ev_gu_, ev_act_, ev_d_, ev_fork_, ev_join_, timer_begin_, timer_end_})
     if (e) cudaEventDestroy(e);

@@ -238,10 +238,6 @@ class CudaBackend final : public Backend {
   std::unique_ptr<cuda::LoraContext> lora_;
   // Arena.
   void* arena_ = nullptr;
-  // Decode attention merges its KV splits in the kernel with these counters (2 MiB: 4096 decode
-  // tokens x 128 kv heads; larger launches run the combine kernel).
-  static constexpr int kSplitArrivals = 1 << 19;
-  int* split_arrivals_ = nullptr;
   size_t arena_bytes_ = 0, arena_used_ = 0;
   size_t arena_peak_ = 0;        // largest arena_used_ since the last fit_scratch
   struct Spill {

@@ -450,8 +450,6 @@ void CudaBackend::run_attention(const Tensor& q, const Tensor& k, const Tensor& 
   p.token_seq = meta_->token_seq;
   p.page_indptr = meta_->page_indptr;
   p.page_indices = meta_->page_indices;
-  p.split_arrivals = split_arrivals_;
-  p.split_arrival_capacity = kSplitArrivals;
   const size_t ws = cuda::attention_workspace_bytes(*attn_plan_, T, heads, kv.v_head_dim);
   void* w = ws ? arena_alloc(ws) : nullptr;
   if (write_cache) cuda::launch_kv_cache_write(p, main_);

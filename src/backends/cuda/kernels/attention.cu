@@ -299,10 +299,8 @@ void launch_dims(const KParams& k, const AttentionPlan& plan, cudaStream_t strea
   if (plan.decode) {
     MOELORA_CHECK_MSG(a.T <= 65535, "attention decode: {} tokens exceed the grid's y extent", a.T);
     attention_prepare();
-    KParams kd = k;  // the splits merged by their last block where it can (AttentionParams::split_arrivals)
-    kd.arrivals = decode_merges_in_kernel<DK, DV>(k) ? a.split_arrivals : nullptr;
-    launch_decode<DK, DV>(kd, stream);
-    if (plan.max_splits > 1 && kd.arrivals == nullptr) {
+    launch_decode<DK, DV>(k, stream);
+    if (plan.max_splits > 1) {
       MOELORA_CHECK_MSG(plan.max_splits <= cuda_plan::kAttentionMaxSplits, "attention: {} decode splits", plan.max_splits);
       launch_pdl(attn_combine_kernel<DV>, dim3(a.T * a.heads), dim3(kCombineThreads), 0, stream, k);
       MOELORA_CUDA_CHECK_LAUNCH();
@@ -414,11 +412,6 @@ AttentionPlan attention_plan(const int32_t* positions, const int32_t* token_seq,
   }
   plan.num_items = static_cast<int>(plan.meta.size() / 2);
   return plan;
-}
-
-int attention_split_arrivals_needed(int T, int heads, int kv_heads) {
-  const int group = heads / kv_heads, per_block = cuda_plan::attention_decode_heads_per_block(group);
-  return T * kv_heads * ((group + per_block - 1) / per_block);
 }
 
 size_t attention_meta_bytes(const AttentionPlan& plan) { return plan.meta.size() * sizeof(int32_t); }

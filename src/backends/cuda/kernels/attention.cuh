@@ -13,8 +13,7 @@
 // - decode (attention_decode.cu): one block per (token, kv head x 8 or 16 of its query heads, KV
 //   split); the block's 4 warps split the split's positions, K/V tiles staged in shared memory by
 //   cp.async and read once per group of query heads, which are the MMA's columns; splits are
-//   merged by the last of them to finish (AttentionParams::split_arrivals), or else by a combine
-//   kernel (flash-decoding). Any token can go this way.
+//   merged by a combine kernel (flash-decoding). Any token can go this way.
 // - prefill: one block per (<= 64 (token, head) rows of one sequence, kv head); each warp walks the
 //   positions its rows may see, with a per-row causal limit. For head dims that are multiples of
 //   64, a wgmma kernel (attention_prefill_wgmma.cu: 128 rows per block, K/V tiles shared in shared
@@ -53,17 +52,7 @@ struct AttentionParams {
   const int32_t* token_seq = nullptr;     // device [T]
   const int32_t* page_indptr = nullptr;   // device [num_seqs + 1]
   const int32_t* page_indices = nullptr;  // device [page_indptr[num_seqs]]
-  // Decode with KV splits: per (token, kv head, head tile) counters, zero between launches, that
-  // let the last split block of each merge the splits itself (no combine launch; the block resets
-  // its counter). Null, or fewer than the launch needs (attention_split_arrivals_needed), or a
-  // merge too large for the block's shared memory: the combine kernel runs instead. Only one
-  // attention launch may use a set of counters at a time (the backend's main stream).
-  int* split_arrivals = nullptr;
-  int split_arrival_capacity = 0;
 };
-
-// Counters a decode launch of T tokens needs for the in-kernel split merge.
-int attention_split_arrivals_needed(int T, int heads, int kv_heads);
 
 // Raises the decode kernels' dynamic shared-memory limits (function attributes, not stream
 // operations). Launches call it themselves; call it once at start-up so that no first launch

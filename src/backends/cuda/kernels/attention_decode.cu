@@ -1,7 +1,6 @@
 // Decode attention (attention.cuh): one block per (token, kv head x head tile, split), 4 warps
 // splitting the split's positions in 16-position tiles, warps merged in shared memory, splits by the
-// last split block to finish (merge_splits below) or by the combine kernel in attention.cu; the
-// query heads are the MMA's columns.
+// combine kernel in attention.cu; the query heads are the MMA's columns.
 //
 // Why this form: decode reads every cached K/V byte once for ~2 flops per byte per query head of
 // the group, so the kernel must keep many bytes in flight and spend few instructions per byte. The
@@ -101,57 +100,6 @@ __device__ __forceinline__ void issue_tile(const KParams& p, int seq_base, int k
     const bool ok = p0 + r < kend;
     const int64_t row = ok ? (row0 >= 0 ? row0 + r : cache_row(p, seq_base, p0 + r)) : 0;
     cp_async<16>(vs + r * C::VRow + ch * 8, p.a.v_cache + row * vw + kvh * DV + ch * 8, ok);
-  }
-}
-
-// The in-kernel split merge (KParams::arrivals): after a block has written its partials, it counts
-// itself on its (token, kv head, head tile) counter; the last of the token's `ns` splits merges
-// them as the combine kernel does (out = sum_s o_s w_s / sum_s w_s, w_s = sum_s 2^(max_s - M), in
-// split order) and puts the counter back to zero for the next launch (graph replays). One launch
-// fewer per decode attention. Partials are read with ld.global.cg: other blocks wrote them, so they
-// must come from L2, never from this SM's L1.
-template <int HEADS, int DV>
-__device__ __forceinline__ void merge_splits(const KParams& p, int tok, int kvh, int ht, int ns, float* s_w) {
-  __shared__ int s_last;
-  __threadfence();  // this thread's partials are visible device-wide before the block counts itself
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* counter = p.arrivals + static_cast<int64_t>(tok) * gridDim.x + blockIdx.x;
-    s_last = atomicAdd(counter, 1) == ns - 1;
-    if (s_last) *counter = 0;  // every split has arrived: nobody else touches it in this launch
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();  // acquire: the other splits' partials
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  float* s_inv = s_w + HEADS * ns;
-  // Per head: M, then each split's weight into shared memory and 1 / their sum.
-  for (int row = warp; row < HEADS; row += kWarps) {
-    const int hh = ht * HEADS + row;
-    if (hh >= p.group) continue;  // uniform over the warp
-    const float* base = p.ws + (static_cast<int64_t>(tok) * p.a.heads + kvh * p.group + hh) * p.max_splits * (DV + 2);
-    float M = -INFINITY;
-    for (int s = lane; s < ns; s += 32) M = fmaxf(M, __ldcg(base + s * (DV + 2) + DV));
-    M = warp_max(M);
-    float W = 0.0f;
-    for (int s = lane; s < ns; s += 32) {
-      const float w = __ldcg(base + s * (DV + 2) + DV + 1) * exp2f(__ldcg(base + s * (DV + 2) + DV) - M);
-      s_w[row * ns + s] = w;
-      W += w;
-    }
-    W = warp_sum(W);
-    if (lane == 0) s_inv[row] = 1.0f / W;
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < HEADS * DV; idx += kThreads) {
-    const int row = idx / DV, col = idx % DV, hh = ht * HEADS + row;
-    if (hh >= p.group) continue;
-    const int h = kvh * p.group + hh;
-    const float* base = p.ws + (static_cast<int64_t>(tok) * p.a.heads + h) * p.max_splits * (DV + 2);
-    float acc = 0.0f;
-    for (int s = 0; s < ns; ++s) acc = fmaf(__ldcg(base + s * (DV + 2) + col), s_w[row * ns + s], acc);
-    p.a.out[static_cast<int64_t>(tok) * p.a.ld_out + static_cast<int64_t>(h) * DV + col] =
-        __float2bfloat16(acc * s_inv[row]);
   }
 }
 
@@ -333,8 +281,6 @@ __global__ void __launch_bounds__(kThreads) attn_decode_cols_kernel(const __grid
       }
     }
   }
-  // The merge's weights go where the warps' partials were: its __syncthreads come first.
-  if (p.max_splits > 1 && p.arrivals) merge_splits<C::HEADS, DV>(p, tok, kvh, ht, ts.count, reinterpret_cast<float*>(s_dyn));
 }
 
 template <int DK, int DV, int NT>
@@ -345,23 +291,11 @@ void launch_cols(const KParams& k, cudaStream_t stream) {
   const int smem = C::smem_bytes(kp.stages);
   MOELORA_CHECK(cuda_plan::attention_decode_heads_per_block(k.group) == C::HEADS);
   const dim3 grid(k.a.kv_heads * k.head_tiles, k.a.T, k.max_splits);
-  MOELORA_CHECK((!kp.arrivals || decode_merges_in_kernel<DK, DV>(k)));
   launch_pdl(attn_decode_cols_kernel<DK, DV, NT>, dim3(grid), dim3(kThreads), smem, stream, kp);
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
-
-template <int DK, int DV>
-bool decode_merges_in_kernel(const KParams& k) {
-  if (k.a.split_arrivals == nullptr || k.max_splits <= 1) return false;
-  if (static_cast<int64_t>(k.a.T) * k.a.kv_heads * k.head_tiles > k.a.split_arrival_capacity) return false;
-  // The merge's weights and inverse sums in the block's shared memory, at its depth.
-  const int heads = cuda_plan::attention_decode_heads_per_block(k.group);
-  const int stages = std::clamp(k.stages, 2, kMaxStages);
-  const int smem = heads <= 8 ? Cols<DK, DV, 1>::smem_bytes(stages) : Cols<DK, DV, 2>::smem_bytes(stages);
-  return static_cast<int64_t>(heads) * (k.max_splits + 1) * 4 <= smem;
-}
 
 template <int DK, int DV>
 void launch_decode(const KParams& k, cudaStream_t stream) {
@@ -380,7 +314,6 @@ void decode_prepare() {
 // The head dims attention_head_dims_supported() lists.
 #define MOELORA_ATTENTION_DECODE_DIMS(DK, DV)                                        \
   template void launch_decode<DK, DV>(const KParams& k, cudaStream_t stream); \
-  template bool decode_merges_in_kernel<DK, DV>(const KParams& k);            \
   template void decode_prepare<DK, DV>();
 MOELORA_ATTENTION_DECODE_DIMS(32, 32)
 MOELORA_ATTENTION_DECODE_DIMS(48, 32)

@@ -28,7 +28,6 @@ struct KParams {
   int ps_shift;    // log2(page_size) when a power of two, else -1
   bool tile_in_page;  // page_size % 16 == 0: a 16-position tile aligned to 16 lies in one page
   float* ws;
-  int* arrivals;  // decode: in-kernel split merge (AttentionParams::split_arrivals), else null
   const int32_t* items;
   int tokens_per_item;
 };
@@ -108,11 +107,7 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // The decode kernel (attention_decode.cu), instantiated there for cuda_plan::kTensorCoreHeadDims;
-// decode_prepare raises its shared-memory limits. decode_merges_in_kernel: whether its blocks can
-// merge k's splits themselves (counters given and enough of them, the merge fits shared memory);
-// launch_decode merges in the kernel exactly when k.arrivals is set.
-template <int DK, int DV>
-bool decode_merges_in_kernel(const KParams& k);
+// decode_prepare raises its shared-memory limits.
 template <int DK, int DV>
 void launch_decode(const KParams& k, cudaStream_t stream);
 template <int DK, int DV>
