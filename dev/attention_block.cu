@@ -51,16 +51,12 @@ using namespace moelora;
 
 namespace {
 
-constexpr int kAdapters = 8, kRank = 16, kPageSize = 16;
-const int kTokens[] = {1, 8, 64, 128, 256};
-
-struct Shape {
-  const char* name;
-  const char* config;  // under bench/configs
-};
-const Shape kShapes[] = {{"qwen3", "qwen3-30b-a3b-fp8.json"},
-                         {"mixtral", "mixtral-8x7b-fp8.json"},
-                         {"deepseek", "deepseek-v3-fp8.json"}};
+using dev::kAdapters;
+using dev::kPageSize;
+using dev::kRank;
+using dev::kShapes;
+using dev::kTokens;
+using dev::Shape;
 
 struct Options {
   int iters = 20;
@@ -108,19 +104,8 @@ int run_shape(const Shape& shape, bool beside, const Options& o, double copy_gbp
   CudaBackendOptions opts;
   opts.dense_lora_shrink_beside_gemm = beside;
   CudaBackend b(opts);
-  auto made = Model::random(c, b, 7);
-  if (!made.ok()) {
-    std::fprintf(stderr, "%s: %s\n", shape.name, made.status().message().c_str());
-    return 2;
-  }
-  std::unique_ptr<Model> model = std::move(made).value();
-  ModelShapes with_adapters = model->shapes();
-  with_adapters.lora_slots = kAdapters;
-  with_adapters.max_lora_rank = kRank;
-  if (Status st = b.check_model_shapes(with_adapters); !st.ok()) {
-    std::fprintf(stderr, "%s: %s\n", shape.name, st.message().c_str());
-    return 2;
-  }
+  std::unique_ptr<Model> model = dev::random_model(c, b, shape.name, kAdapters, kRank);
+  if (!model) return 2;
   DeviceRandomAdapters ad = make_device_random_adapters(c, b, kAdapters, kRank);
   const int max_T = *std::max_element(std::begin(kTokens), std::end(kTokens));
   const int pages = (o.context + 1 + kPageSize - 1) / kPageSize;
@@ -129,7 +114,6 @@ int run_shape(const Shape& shape, bool beside, const Options& o, double copy_gbp
   SingleDeviceContext single(c);
   const ForwardModel fm{model->config(), model->weights(), rope, b, single, model->mla_absorbed()};
   const ModelWeights& w = model->weights();
-  const float eps = static_cast<float>(c.rms_norm_eps);
   const KvShape kvs = model->kv_shape();
 
   std::printf("\n## %s (%s): H %d, %s; %d layers per step, context %d; LoRA shrinks %s the GEMMs; %s\n", shape.name,
@@ -150,24 +134,8 @@ int run_shape(const Shape& shape, bool beside, const Options& o, double copy_gbp
       const StepBatch batch = decode_batch(T, N, c.vocab_size, o.context);
       const LoraTables* tables = N > 0 ? &ad.tables : nullptr;
       auto step = [&]() -> Tensor {
-        const StepBatch& s = b.begin_step(batch);
-        if (b.step_mode() == Backend::StepMode::kReplay) return b.step_output();
-        const int Tp = s.num_tokens();
-        Tensor h = b.alloc_act(Tp, c.hidden_size);
-        single.embed(b, s, w.embed, h);
-        Tensor x = b.alloc_act(Tp, c.hidden_size);
-        b.rmsnorm(h, w.layers[0].input_norm, eps, x);
-        for (int l = 0; l < L; ++l) {
-          const size_t mark = b.scratch_mark();
-          Tensor a = attention_block(fm, l, x, kv[l], tables);
-          if (l + 1 < L)
-            b.add_rmsnorm(a, h, w.layers[l + 1].input_norm, eps, x);
-          else
-            b.add(a, h);
-          b.scratch_release(mark);
-        }
-        b.end_step_body(h);
-        return h;
+        return dev::run_block_step(b, single, c, w, batch, L, &LayerWeights::input_norm,
+                                   [&](int l, const Tensor& x) { return attention_block(fm, l, x, kv[l], tables); });
       };
       // Eager (warm-up), capture, then a replay: the replay's output must be the eager one's.
       const std::vector<float> eager = dev::host_values(b, step().slice_rows(0, T));

@@ -7,16 +7,32 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "core/tensor.h"
 #include "io/mapped_file.h"
+#include "model/model.h"
 #include "model/model_config.h"
+#include "model/model_weights.h"
+#include "model/parallel_context.h"
 #include "ops/backend.h"
 
 namespace moelora::dev {
+
+// What both workbenches run: 8 random adapters of rank 16 on every target, 16-position KV pages,
+// these token counts, at these bench configs.
+constexpr int kAdapters = 8, kRank = 16, kPageSize = 16;
+constexpr int kTokens[] = {1, 8, 64, 128, 256};
+struct Shape {
+  const char* name;
+  const char* config;  // under bench/configs
+};
+constexpr Shape kShapes[] = {{"qwen3", "qwen3-30b-a3b-fp8.json"},
+                             {"mixtral", "mixtral-8x7b-fp8.json"},
+                             {"deepseek", "deepseek-v3-fp8.json"}};
 
 // bench/configs/<file>, read from the repository root; nullopt (and a message) if it cannot be.
 inline std::optional<ModelConfig> bench_config(const std::string& file) {
@@ -32,6 +48,53 @@ inline std::optional<ModelConfig> bench_config(const std::string& file) {
     return std::nullopt;
   }
   return *parsed;
+}
+
+// A model of c's shapes with random weights (seed 7) on b, whose kernels must take it with
+// `adapters` LoRA slots of rank `rank`; null (and a message naming `what`) if either fails.
+inline std::unique_ptr<Model> random_model(const ModelConfig& c, Backend& b, const char* what, int adapters, int rank) {
+  auto made = Model::random(c, b, 7);
+  if (!made.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, made.status().message().c_str());
+    return nullptr;
+  }
+  std::unique_ptr<Model> model = std::move(made).value();
+  ModelShapes with_adapters = model->shapes();
+  with_adapters.lora_slots = adapters;
+  with_adapters.max_lora_rank = rank;
+  if (Status st = b.check_model_shapes(with_adapters); !st.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, st.message().c_str());
+    return nullptr;
+  }
+  return model;
+}
+
+// One step of `layers` blocks through the backend's step machinery (begin_step / end_step_body:
+// graph buckets, capture, replay): embed, the first layer's `norm`, then per layer block(l, x),
+// its residual add fused with the next layer's `norm` (Backend::add_rmsnorm, as the forward pass
+// fuses it), the last one's add alone. Returns the residual stream [padded tokens, hidden].
+template <typename Block>
+Tensor run_block_step(Backend& b, ParallelContext& par, const ModelConfig& c, const ModelWeights& w,
+                      const StepBatch& batch, int layers, Tensor LayerWeights::*norm, Block block) {
+  const StepBatch& s = b.begin_step(batch);
+  if (b.step_mode() == Backend::StepMode::kReplay) return b.step_output();
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const int T = s.num_tokens();
+  Tensor h = b.alloc_act(T, c.hidden_size);
+  par.embed(b, s, w.embed, h);
+  Tensor x = b.alloc_act(T, c.hidden_size);
+  b.rmsnorm(h, w.layers[0].*norm, eps, x);
+  for (int l = 0; l < layers; ++l) {
+    const size_t mark = b.scratch_mark();
+    Tensor out = block(l, x);
+    if (l + 1 < layers)
+      b.add_rmsnorm(out, h, w.layers[l + 1].*norm, eps, x);
+    else
+      b.add(out, h);
+    b.scratch_release(mark);
+  }
+  b.end_step_body(h);
+  return h;
 }
 
 inline std::vector<float> host_values(Backend& b, const Tensor& t) {

@@ -50,16 +50,12 @@ using namespace moelora;
 
 namespace {
 
-constexpr int kAdapters = 8, kRank = 16, kPageSize = 16;
-const int kTokens[] = {1, 8, 64, 128, 256};
-
-struct Shape {
-  const char* name;
-  const char* config;  // under bench/configs
-};
-const Shape kShapes[] = {{"qwen3", "qwen3-30b-a3b-fp8.json"},
-                         {"mixtral", "mixtral-8x7b-fp8.json"},
-                         {"deepseek", "deepseek-v3-fp8.json"}};
+using dev::kAdapters;
+using dev::kPageSize;
+using dev::kRank;
+using dev::kShapes;
+using dev::kTokens;
+using dev::Shape;
 
 // Layers such that the experts the other ones touch at one token exceed 2x the L2 (at least 2).
 int layers_for(const ModelConfig& c, size_t l2_bytes) {
@@ -101,19 +97,8 @@ int run_shape(const Shape& shape, bool concurrent, int iters, double copy_gbps, 
   opts.shared_experts_concurrent = concurrent;
   opts.overlap = lora_side_stream;
   CudaBackend b(opts);
-  auto made = Model::random(c, b, 7);
-  if (!made.ok()) {
-    std::fprintf(stderr, "%s: %s\n", shape.name, made.status().message().c_str());
-    return 2;
-  }
-  std::unique_ptr<Model> model = std::move(made).value();
-  ModelShapes with_adapters = model->shapes();
-  with_adapters.lora_slots = kAdapters;
-  with_adapters.max_lora_rank = kRank;
-  if (Status st = b.check_model_shapes(with_adapters); !st.ok()) {
-    std::fprintf(stderr, "%s: %s\n", shape.name, st.message().c_str());
-    return 2;
-  }
+  std::unique_ptr<Model> model = dev::random_model(c, b, shape.name, kAdapters, kRank);
+  if (!model) return 2;
   DeviceRandomAdapters ad = make_device_random_adapters(c, b, kAdapters, kRank);
   // The MoE blocks read no KV, but decode steps are captured only once a cache exists (its
   // reserved padding page).
@@ -123,7 +108,6 @@ int run_shape(const Shape& shape, bool concurrent, int iters, double copy_gbps, 
   SingleDeviceContext single(c);
   const ForwardModel fm{model->config(), model->weights(), rope, b, single, model->mla_absorbed()};
   const ModelWeights& w = model->weights();
-  const float eps = static_cast<float>(c.rms_norm_eps);
 
   const std::string shared =
       c.n_shared_experts == 0 ? ""
@@ -142,24 +126,8 @@ int run_shape(const Shape& shape, bool concurrent, int iters, double copy_gbps, 
       const StepBatch batch = decode_batch(T, N, c.vocab_size);
       const LoraTables* tables = N > 0 ? &ad.tables : nullptr;
       auto step = [&]() -> Tensor {
-        const StepBatch& s = b.begin_step(batch);
-        if (b.step_mode() == Backend::StepMode::kReplay) return b.step_output();
-        const int Tp = s.num_tokens();
-        Tensor h = b.alloc_act(Tp, c.hidden_size);
-        single.embed(b, s, w.embed, h);
-        Tensor x = b.alloc_act(Tp, c.hidden_size);
-        b.rmsnorm(h, w.layers[0].post_attention_norm, eps, x);
-        for (int l = 0; l < L; ++l) {
-          const size_t mark = b.scratch_mark();
-          Tensor m = moe_block(fm, l, x, tables);
-          if (l + 1 < L)
-            b.add_rmsnorm(m, h, w.layers[l + 1].post_attention_norm, eps, x);
-          else
-            b.add(m, h);
-          b.scratch_release(mark);
-        }
-        b.end_step_body(h);
-        return h;
+        return dev::run_block_step(b, single, c, w, batch, L, &LayerWeights::post_attention_norm,
+                                   [&](int l, const Tensor& x) { return moe_block(fm, l, x, tables); });
       };
       // Eager (warm-up), capture, then a replay: the replay's output must be the eager one's.
       const std::vector<float> eager = dev::host_values(b, step().slice_rows(0, T));
