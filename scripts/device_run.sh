@@ -22,6 +22,8 @@
 #            `dev_attention_block` (Qwen3 with --ab; JSON records), verify (graphs)
 #            (its 2026-12-07 run also timed a split merge inside the decode kernel, `dev_attention
 #            merged`, since removed: slower everywhere, bench/RESULTS.md)
+#   attnquick the decode step at 1 and 8 tokens with and without --no-dense-lora-beside-gemm, and
+#            ncu of the Qwen3 block (1 token, 8 adapters) and the DeepSeek MLA block (1 token)
 #   attnstep the decode step on the defaults, and with 8 adapters --no-dense-lora-beside-gemm
 #   attnprof every kernel of the attention block, base and 8 adapters, 1 and 64 tokens (ncu);
 #            DeepSeek-V3's MLA block at one token
@@ -267,6 +269,22 @@ for stage in $stages; do
     echo "== verify cuda (graphs)"
     timeout 120 $bin verify --fixtures tests/fixtures --backend cuda > $out/verify_cuda.log 2>&1
     echo "exit $?"; grep "all cases" $out/verify_cuda.log; tail -1 $out/verify_cuda.log ;;
+  attnquick)
+    # The short form of attnstep + attnprof for a call with little device time left.
+    for flag in "" --no-dense-lora-beside-gemm; do
+      echo "== decode step, 8 adapters $flag"
+      timeout 90 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8 --adapters 0,8 \
+        --rank 16 --iters 10 $flag --json $out/bench_records.jsonl 2>&1 | grep -v "^\["
+    done
+    for m in "qwen3 1 8" "deepseek 1 0"; do
+      set -- $m
+      log=$out/ncu_attention_block_$1_T$2_a$3.csv
+      timeout 120 ncu --profile-from-start off --print-units base --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread \
+        --csv ./.device/dev_attention_block $1 --profile $2 $3 > $log 2>&1; echo "ncu $m exit $?"
+      grep "^profiled" $log
+      L=$(grep -o "([0-9]* layers)" $log | grep -o "[0-9]*")
+      python3 scripts/ncu_durations.py "$log" --by-name ${L:-1}
+    done ;;
   attnstep)
     echo "== decode step (default, then 8 adapters with --no-dense-lora-beside-gemm)"
     timeout 150 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8,64,256 --adapters 0,8 \
