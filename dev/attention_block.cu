@@ -24,7 +24,6 @@
 //   dev_attention_block [qwen3|mixtral|deepseek ...] [--iters N] [--context N] [--ab] [--json FILE]
 //                       [--profile T N]
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -51,12 +50,7 @@ using namespace moelora;
 
 namespace {
 
-using dev::kAdapters;
-using dev::kPageSize;
-using dev::kRank;
-using dev::kShapes;
-using dev::kTokens;
-using dev::Shape;
+using namespace moelora::dev;  // block_bench.h: shapes, adapters, token counts, helpers
 
 struct Options {
   int iters = 20;
@@ -66,28 +60,6 @@ struct Options {
   int profile_tokens = -1, profile_adapters = 0;  // --profile T N
 };
 
-// Layers such that the other ones' projections exceed 2x the L2 (at least 2).
-int layers_for(const ModelConfig& c, const KvShape& kv, size_t l2_bytes) {
-  const double per_layer = attention_block_floor_bytes(c, kv, 0, 1, 0, 0, 0);
-  return 1 + std::max(1, static_cast<int>(std::ceil(2.0 * static_cast<double>(l2_bytes) / per_layer)));
-}
-
-// T sequences, each decoding position `context` over pages [t * pages, (t + 1) * pages).
-StepBatch decode_batch(int T, int adapters, int vocab, int context) {
-  const int pages = (context + 1 + kPageSize - 1) / kPageSize;
-  StepBatch s;
-  for (int t = 0; t < T; ++t) {
-    s.token_ids.push_back((t * 7919 + 13) % vocab);
-    s.positions.push_back(context);
-    s.token_seq.push_back(t);
-    s.token_slot.push_back(adapters > 0 ? t % adapters : -1);
-    std::vector<int32_t> own;
-    for (int p = 0; p < pages; ++p) own.push_back(t * pages + p);
-    s.seq_pages.push_back(own);
-    s.logit_rows.push_back(t);
-  }
-  return s;
-}
 
 // The first run's eager output per (tokens, adapters), which the --ab run must repeat bit for bit.
 using Outputs = std::map<std::pair<int, int>, std::vector<float>>;
@@ -97,7 +69,8 @@ int run_shape(const Shape& shape, bool beside, const Options& o, double copy_gbp
   if (!parsed) return 2;
   ModelConfig c = *parsed;
   // Dense MLPs only: the block never runs them, and DeepSeek's experts would not fit L layers.
-  const int L = layers_for(c, kv_shape(c, c.is_mla()), l2_bytes);
+  // L from the projections alone (an empty cache shape: no cache bytes).
+  const int L = dev::layers_beyond_l2(attention_block_floor_bytes(c, KvShape{}, 0, 1, 0, 0, 0), l2_bytes);
   c.num_layers = L;
   c.layer_is_moe.assign(L, false);
 
@@ -108,8 +81,7 @@ int run_shape(const Shape& shape, bool beside, const Options& o, double copy_gbp
   if (!model) return 2;
   DeviceRandomAdapters ad = make_device_random_adapters(c, b, kAdapters, kRank);
   const int max_T = *std::max_element(std::begin(kTokens), std::end(kTokens));
-  const int pages = (o.context + 1 + kPageSize - 1) / kPageSize;
-  std::vector<KvLayer> kv = model->alloc_kv_cache(max_T * pages + 1, kPageSize);
+  std::vector<KvLayer> kv = model->alloc_kv_cache(max_T * dev::pages_per_sequence(o.context) + 1, kPageSize);
   const RopeTable rope = make_rope_table(c);
   SingleDeviceContext single(c);
   const ForwardModel fm{model->config(), model->weights(), rope, b, single, model->mla_absorbed()};
@@ -131,7 +103,7 @@ int run_shape(const Shape& shape, bool beside, const Options& o, double copy_gbp
     double base_us = 0;
     for (int N : {0, kAdapters}) {
       if (o.profile_tokens >= 0 && N != o.profile_adapters) continue;
-      const StepBatch batch = decode_batch(T, N, c.vocab_size, o.context);
+      const StepBatch batch = dev::decode_batch(T, N, c.vocab_size, o.context);
       const LoraTables* tables = N > 0 ? &ad.tables : nullptr;
       auto step = [&]() -> Tensor {
         return dev::run_block_step(b, single, c, w, batch, L, &LayerWeights::input_norm,
@@ -212,9 +184,7 @@ int main(int argc, char** argv) {
     } else if (a == "--json" && i + 1 < argc) {
       json_path = argv[++i];
     } else {
-      const Shape* found = nullptr;
-      for (const Shape& s : kShapes)
-        if (a == s.name) found = &s;
+      const Shape* found = shape_named(a);
       if (!found) return usage();
       shapes.push_back(found);
     }

@@ -34,6 +34,41 @@ constexpr Shape kShapes[] = {{"qwen3", "qwen3-30b-a3b-fp8.json"},
                              {"mixtral", "mixtral-8x7b-fp8.json"},
                              {"deepseek", "deepseek-v3-fp8.json"}};
 
+// The shape of that name (qwen3, mixtral, deepseek), or null.
+inline const Shape* shape_named(const std::string& name) {
+  for (const Shape& s : kShapes)
+    if (name == s.name) return &s;
+  return nullptr;
+}
+
+// Layers per step such that what the other layers read exceeds twice the L2 (at least 2), given
+// what one layer's block reads: a replay then reads each block's weights from HBM, not from the
+// previous replay's L2 lines.
+inline int layers_beyond_l2(double per_layer_bytes, size_t l2_bytes) {
+  return 1 + std::max(1, static_cast<int>(std::ceil(2.0 * static_cast<double>(l2_bytes) / per_layer_bytes)));
+}
+
+// KV pages a sequence decoding at position `context` spans.
+inline int pages_per_sequence(int context) { return (context + 1 + kPageSize - 1) / kPageSize; }
+
+// T sequences of one token each, token t with adapter slot t % adapters (none without adapters),
+// decoding position `context` over pages [t * pages, (t + 1) * pages) of its own.
+inline StepBatch decode_batch(int T, int adapters, int vocab, int context) {
+  const int pages = pages_per_sequence(context);
+  StepBatch s;
+  for (int t = 0; t < T; ++t) {
+    s.token_ids.push_back((t * 7919 + 13) % vocab);
+    s.positions.push_back(context);
+    s.token_seq.push_back(t);
+    s.token_slot.push_back(adapters > 0 ? t % adapters : -1);
+    std::vector<int32_t> own;
+    for (int p = 0; p < pages; ++p) own.push_back(t * pages + p);
+    s.seq_pages.push_back(own);
+    s.logit_rows.push_back(t);
+  }
+  return s;
+}
+
 // bench/configs/<file>, read from the repository root; nullopt (and a message) if it cannot be.
 inline std::optional<ModelConfig> bench_config(const std::string& file) {
   const std::string path = "bench/configs/" + file;

@@ -24,7 +24,6 @@
 //
 //   dev_moe_block [qwen3|mixtral|deepseek ...] [--iters N] [--json FILE]
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -50,31 +49,13 @@ using namespace moelora;
 
 namespace {
 
-using dev::kAdapters;
-using dev::kPageSize;
-using dev::kRank;
-using dev::kShapes;
-using dev::kTokens;
-using dev::Shape;
+using namespace moelora::dev;  // block_bench.h: shapes, adapters, token counts, helpers
 
 // Layers such that the experts the other ones touch at one token exceed 2x the L2 (at least 2).
 int layers_for(const ModelConfig& c, size_t l2_bytes) {
   const double touched = static_cast<double>(c.top_k) * 3.0 * c.hidden_size * c.moe_intermediate_size *
                          c.weight_format.bytes_per_weight();
-  return 1 + std::max(1, static_cast<int>(std::ceil(2.0 * static_cast<double>(l2_bytes) / touched)));
-}
-
-StepBatch decode_batch(int T, int adapters, int vocab) {
-  StepBatch s;
-  for (int t = 0; t < T; ++t) {
-    s.token_ids.push_back((t * 7919 + 13) % vocab);
-    s.positions.push_back(0);
-    s.token_seq.push_back(t);
-    s.token_slot.push_back(adapters > 0 ? t % adapters : -1);
-    s.seq_pages.push_back({t});
-    s.logit_rows.push_back(t);
-  }
-  return s;
+  return dev::layers_beyond_l2(touched, l2_bytes);
 }
 
 // The eager step's output per (tokens, adapters) of a model's first run, which its run with the
@@ -123,7 +104,7 @@ int run_shape(const Shape& shape, bool concurrent, int iters, double copy_gbps, 
   for (int T : kTokens) {
     double base_us = 0;
     for (int N : {0, kAdapters}) {
-      const StepBatch batch = decode_batch(T, N, c.vocab_size);
+      const StepBatch batch = dev::decode_batch(T, N, c.vocab_size, /*context=*/0);  // one page each
       const LoraTables* tables = N > 0 ? &ad.tables : nullptr;
       auto step = [&]() -> Tensor {
         return dev::run_block_step(b, single, c, w, batch, L, &LayerWeights::post_attention_norm,
@@ -182,9 +163,7 @@ int main(int argc, char** argv) {
     } else if (a == "--json" && i + 1 < argc) {
       json_path = argv[++i];
     } else {
-      const Shape* found = nullptr;
-      for (const Shape& s : kShapes)
-        if (a == s.name) found = &s;
+      const Shape* found = shape_named(a);
       if (!found) {
         std::fprintf(stderr, "usage: dev_moe_block [qwen3|mixtral|deepseek ...] [--iters N] [--json FILE] [--no-overlap]\n");
         return 2;

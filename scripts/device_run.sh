@@ -103,6 +103,26 @@ run_sanitizers() {
       > $out/${tool}_$name.log 2>&1; echo "$tool $name exit $?"; tail -2 $out/${tool}_$name.log
   done
 }
+# moelora bench at Qwen3-30B-A3B shapes on CUDA (r 16, 10 iterations): LIMIT LOG BATCHES ADAPTERS
+# [flags...]; output in $out/LOG.log, records in $out/LOG.jsonl, the table printed.
+step_bench() {
+  local limit=$1 log=$2 batches=$3 adapters=$4
+  shift 4
+  timeout $limit $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch $batches \
+    --adapters $adapters --rank 16 --iters 10 --json $out/$log.jsonl "$@" > $out/$log.log 2>&1; echo "exit $?"
+  grep -v "^\[" $out/$log.log | tail -12
+}
+# ncu durations of every kernel of one replayed dev_attention_block step: MODEL TOKENS ADAPTERS,
+# per block (the step's layers), from $out/ncu_attention_block_MODEL_T<T>_a<N>.csv.
+ncu_attention_block() {
+  local log=$out/ncu_attention_block_$1_T$2_a$3.csv L
+  timeout 150 ncu --profile-from-start off --print-units base \
+    --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread \
+    --csv ./.device/dev_attention_block $1 --profile $2 $3 > $log 2>&1; echo "ncu $1 T=$2 adapters=$3 exit $?"
+  grep "^profiled" $log
+  L=$(grep -o "([0-9]* layers)" $log | grep -o "[0-9]*")
+  python3 scripts/ncu_durations.py "$log" --by-name ${L:-1}
+}
 date -u
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 for stage in $stages; do
@@ -271,45 +291,22 @@ for stage in $stages; do
     echo "exit $?"; grep "all cases" $out/verify_cuda.log; tail -1 $out/verify_cuda.log ;;
   attnquick)
     # The short form of attnstep + attnprof for a call with little device time left.
-    for flag in "" --no-dense-lora-beside-gemm; do
-      echo "== decode step, 8 adapters $flag"
-      timeout 90 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8 --adapters 0,8 \
-        --rank 16 --iters 10 $flag --json $out/bench_records.jsonl 2>&1 | grep -v "^\["
-    done
-    for m in "qwen3 1 8" "deepseek 1 0"; do
-      set -- $m
-      log=$out/ncu_attention_block_$1_T$2_a$3.csv
-      timeout 120 ncu --profile-from-start off --print-units base --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread \
-        --csv ./.device/dev_attention_block $1 --profile $2 $3 > $log 2>&1; echo "ncu $m exit $?"
-      grep "^profiled" $log
-      L=$(grep -o "([0-9]* layers)" $log | grep -o "[0-9]*")
-      python3 scripts/ncu_durations.py "$log" --by-name ${L:-1}
-    done ;;
+    step_bench 90 bench_quick 1,8 0,8
+    step_bench 90 bench_quick_not_beside 1,8 0,8 --no-dense-lora-beside-gemm
+    ncu_attention_block qwen3 1 8
+    ncu_attention_block deepseek 1 0 ;;
   attnstep)
     echo "== decode step (default, then 8 adapters with --no-dense-lora-beside-gemm)"
-    timeout 150 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8,64,256 --adapters 0,8 \
-      --rank 16 --iters 10 --json $out/bench_records.jsonl 2>&1 | grep -v "^\["
-    timeout 100 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8 --adapters 8 \
-      --rank 16 --iters 10 --no-dense-lora-beside-gemm --json $out/bench_records.jsonl 2>&1 | grep -v "^\[" ;;
+    step_bench 150 bench 1,8,64,256 0,8
+    step_bench 100 bench_not_beside 1,8 8 --no-dense-lora-beside-gemm ;;
   attnprof)
     # Where the attention block's time goes (issue 11): every kernel of one replayed step of
-    # dev_attention_block (L Qwen3-30B-A3B blocks), per block, base and 8 adapters, 1 and 64 tokens.
+    # dev_attention_block (L blocks), per block: Qwen3-30B-A3B base and 8 adapters at 1 and 64
+    # tokens, DeepSeek-V3's MLA (absorbed) at one token.
     for T in 1 64; do
-      for ad in 0 8; do
-        log=$out/ncu_attention_block_T${T}_a${ad}.csv
-        timeout 150 ncu --profile-from-start off --print-units base --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread \
-          --csv ./.device/dev_attention_block qwen3 --profile $T $ad > $log 2>&1; echo "ncu T=$T adapters=$ad exit $?"
-        grep "^profiled" $log
-        L=$(grep -o "([0-9]* layers)" $log | grep -o "[0-9]*")
-        python3 scripts/ncu_durations.py "$log" --by-name ${L:-1}
-      done
+      for ad in 0 8; do ncu_attention_block qwen3 $T $ad; done
     done
-    log=$out/ncu_attention_block_deepseek_T1_a0.csv  # MLA (absorbed) at one token
-    timeout 150 ncu --profile-from-start off --print-units base --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread \
-      --csv ./.device/dev_attention_block deepseek --profile 1 0 > $log 2>&1; echo "ncu deepseek T=1 exit $?"
-    grep "^profiled" $log
-    L=$(grep -o "([0-9]* layers)" $log | grep -o "[0-9]*")
-    python3 scripts/ncu_durations.py "$log" --by-name ${L:-1} ;;
+    ncu_attention_block deepseek 1 0 ;;
   split)
     echo "== op suite, wgmma MoE cases (dequantising, split form, W8A8)"
     timeout 300 ./.device/moelora_op_suite --gtest_brief=1 --gtest_filter='Moe*wgmma*:MoeSanitize*' > $out/op_suite_split.log 2>&1
@@ -360,9 +357,7 @@ for stage in $stages; do
     # adapters; also issue 9's step / logits ratios), the MoE block workbench, verify (graphs), then
     # the decode step with 8 adapters and verify with the LoRA shrinks beside the expert GEMMs.
     echo "== bench"
-    timeout 170 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8,64,256 \
-      --adapters 0,8 --rank 16 --iters 10 --json $out/bench_records.jsonl > $out/bench.log 2>&1; echo "exit $?"
-    grep -v "^\[" $out/bench.log | tail -12
+    step_bench 170 bench 1,8,64,256 0,8
     echo "== MoE block workbench"
     timeout 200 ./.device/dev_moe_block --iters 10 --json $out/moe_block_records.jsonl > $out/moe_block.log 2>&1
     echo "exit $?"; cat $out/moe_block.log
@@ -370,10 +365,7 @@ for stage in $stages; do
     timeout 90 $bin verify --fixtures tests/fixtures --backend cuda > $out/verify_cuda.log 2>&1; echo "exit $?"
     tail -1 $out/verify_cuda.log
     echo "== bench, 8 adapters, never the LoRA shrinks beside the expert GEMMs (--no-moe-lora-beside-gemm)"
-    timeout 100 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8,64,256 \
-      --adapters 8 --rank 16 --iters 10 --no-moe-lora-beside-gemm --json $out/bench_records_not_beside.jsonl \
-      > $out/bench_not_beside.log 2>&1; echo "exit $?"
-    grep -v "^\[" $out/bench_not_beside.log | tail -6
+    step_bench 100 bench_not_beside 1,8,64,256 8 --no-moe-lora-beside-gemm
     echo "== verify cuda --no-moe-lora-beside-gemm"
     timeout 90 $bin verify --fixtures tests/fixtures --backend cuda --no-moe-lora-beside-gemm > $out/verify_cuda_not_beside.log 2>&1
     echo "exit $?"; tail -1 $out/verify_cuda_not_beside.log ;;
@@ -402,9 +394,7 @@ for stage in $stages; do
     # placement, then dev_moe_block's DeepSeek-V3 rows with the routed LoRA on its side stream and
     # without it (whose shared-experts-concurrent rows differ from the serial ones, and where).
     echo "== bench"
-    timeout 170 $bin bench --config bench/configs/qwen3-30b-a3b-fp8.json --backend cuda --batch 1,8,64,256 \
-      --adapters 0,8 --rank 16 --iters 10 --json $out/bench_records.jsonl > $out/bench.log 2>&1; echo "exit $?"
-    grep -v "^\[" $out/bench.log | tail -10
+    step_bench 170 bench 1,8,64,256 0,8
     echo "== verify cuda (graphs)"
     timeout 90 $bin verify --fixtures tests/fixtures --backend cuda > $out/verify_cuda.log 2>&1; echo "exit $?"
     tail -1 $out/verify_cuda.log

@@ -44,6 +44,12 @@ double projection_bytes(const ModelConfig& c, int l, int adapters, int rank, Pro
   return total;
 }
 
+// The cache bytes of `tokens` sequences x `positions` positions x `layers` layers, in the model's
+// layout (Model::kv_shape: per-head K and V, or an MLA latent), bf16.
+double cache_bytes(const KvShape& kv, int tokens, int positions, int layers) {
+  return static_cast<double>(tokens) * positions * layers * static_cast<double>(kv.values_per_token()) * 2.0;
+}
+
 }  // namespace
 
 double expected_distinct_experts(const ModelConfig& c, double tokens) {
@@ -72,8 +78,7 @@ double decode_step_floor_bytes(const ModelConfig& c, const KvShape& kv, int toke
              projection_bytes(c, l, n_eff, rank, Projections::kDenseMlp);
     if (c.layer_is_moe[l]) total += moe_block_floor_bytes(c, l, tokens, adapters, rank);
   }
-  // The cache as the model holds it (Model::kv_shape: per-head K and V, or an MLA latent).
-  total += static_cast<double>(tokens) * context * c.num_layers * static_cast<double>(kv.values_per_token()) * 2.0;
+  total += cache_bytes(kv, tokens, context, c.num_layers);  // read
   return total;
 }
 
@@ -82,8 +87,7 @@ double attention_block_floor_bytes(const ModelConfig& c, const KvShape& kv, int 
   MOELORA_CHECK_MSG(layer >= 0 && layer < c.num_layers, "layer {} of {}", layer, c.num_layers);
   const int n_eff = std::min(adapters, tokens);
   // Read: `context` cached positions per sequence; written: the step's own token per sequence.
-  const double cache = static_cast<double>(tokens) * (context + 1) * static_cast<double>(kv.values_per_token()) * 2.0;
-  return projection_bytes(c, layer, n_eff, rank, Projections::kAttention) + cache;
+  return projection_bytes(c, layer, n_eff, rank, Projections::kAttention) + cache_bytes(kv, tokens, context + 1, 1);
 }
 
 }  // namespace moelora

@@ -19,6 +19,12 @@ namespace moelora::cuda {
 // predecessor's tail and everything two launches back is complete when a kernel passes its wait.
 // What it saves: the launch and block-scheduling gap between dependent kernels, several per layer
 // at decode sizes (bench/RESULTS.md: -11 % on the 1-token decode step).
+// Waiting before the epilogue (MoeGemmParams::wait_before_epilogue, DenseLoraEpilogue::
+// wait_before_epilogue): a GEMM launched right behind a LoRA shrink that follows this rule may run
+// its main loop before its own wait, since the shrink triggers only after waiting, so the GEMM's
+// start implies everything before the shrink is complete (its input x); it waits before its
+// epilogue, the first read of the shrink's output and its first global write. Only where the
+// shrink really launched: with no kernel between, the GEMM would run beside x's producer.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 

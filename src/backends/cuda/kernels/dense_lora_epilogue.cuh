@@ -39,11 +39,9 @@ struct DenseLoraEpilogue {
   DenseLoraPart parts[kDenseLoraMaxParts];
   const int32_t* token_slot = nullptr;  // device [M]
   int num_slots = 0;
-  // The GEMM was launched directly behind the shrink that writes u (programmatic dependent launch):
-  // its main loop runs beside the shrink and it waits for it only before the epilogue. Safe by
-  // launch.cuh's rule: the shrink waits for its predecessor before it triggers, so when the GEMM
-  // starts, x (written two launches back) is complete; the GEMM writes nothing before its wait.
-  // The small-M kernel takes it; the naive one waits first anyway.
+  // The GEMM was launched directly behind the shrink that writes u: its main loop runs beside the
+  // shrink and it waits only before the epilogue (launch.cuh, waiting before the epilogue). The
+  // small-M kernel takes it; the naive one waits first anyway.
   bool wait_before_epilogue = false;
 };
 

@@ -96,10 +96,10 @@ struct MoeGemmParams {
   // gate_up: the kernel may then read the tiles and prefetch its first weights before waiting.
   bool early_prefetch = false;
   // The kernel runs its main loop without waiting for its stream predecessor and waits for it only
-  // before its epilogue (its first global write). Valid where that predecessor is a MoE LoRA kernel
-  // (shrink, expand or fused: each waits first, so every kernel before it is complete when this one
-  // starts) whose output the epilogue alone reads (gate_up: u or the delta) or this kernel does not
-  // read at all (down: moe_reduce reads the down shrink's u). MoeTuning::lora_shrink_beside_gemm.
+  // before its epilogue (launch.cuh, waiting before the epilogue). Valid where that predecessor is a
+  // MoE LoRA kernel (shrink, expand or fused) whose output the epilogue alone reads (gate_up: u or
+  // the delta) or this kernel does not read at all (down: moe_reduce reads the down shrink's u).
+  // MoeTuning::lora_shrink_beside_gemm.
   bool wait_before_epilogue = false;
 };
 
