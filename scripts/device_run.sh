@@ -117,7 +117,7 @@ step_bench() {
 ncu_attention_block() {
   local log=$out/ncu_attention_block_$1_T$2_a$3.csv L
   timeout 150 ncu --profile-from-start off --print-units base \
-    --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread \
+    --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed \
     --csv ./.device/dev_attention_block $1 --profile $2 $3 > $log 2>&1; echo "ncu $1 T=$2 adapters=$3 exit $?"
   grep "^profiled" $log
   L=$(grep -o "([0-9]* layers)" $log | grep -o "[0-9]*")
@@ -295,6 +295,12 @@ for stage in $stages; do
     step_bench 90 bench_quick_not_beside 1,8 0,8 --no-dense-lora-beside-gemm
     ncu_attention_block qwen3 1 8
     ncu_attention_block deepseek 1 0 ;;
+  mlaprof)
+    # DeepSeek-V3's absorbed MLA block per kernel (issue 11): 1, 64 and 256 tokens, and 8 adapters
+    # at 1 token; the block's own timing first.
+    timeout 120 ./.device/dev_attention_block deepseek --iters 20 > $out/attention_block_deepseek.log 2>&1
+    echo "exit $?"; cat $out/attention_block_deepseek.log | tail -30
+    for Ta in "1 0" "1 8" "64 0" "256 0"; do ncu_attention_block deepseek $Ta; done ;;
   attnstep)
     echo "== decode step (default, then 8 adapters with --no-dense-lora-beside-gemm)"
     step_bench 150 bench 1,8,64,256 0,8
