@@ -10,6 +10,9 @@ ncu serialises kernels, so each duration is the kernel alone (no overlap, no PDL
 import csv
 import sys
 
+# Optional metric: when the log has it, --by-name prints each kernel's time-weighted DRAM throughput.
+DRAM = "dram__throughput.avg.pct_of_peak_sustained_elapsed"
+
 
 def launches(path):
     rows = [r for r in csv.reader(l for l in open(path) if l.startswith('"'))]
@@ -36,12 +39,14 @@ def main():
         blocks = int(sys.argv[3])
         names = {}
         for k in ks:
-            n = names.setdefault(k["name"], [0, 0.0, k.get("launch__grid_size", "?")])
+            n = names.setdefault(k["name"], [0, 0.0, k.get("launch__grid_size", "?"), 0.0])
             n[0] += 1
             n[1] += k["us"]
+            n[3] += k["us"] * float(k.get(DRAM, "0").replace(",", ""))
         total = sum(k["us"] for k in ks)
-        for name, (count, us, grid) in sorted(names.items(), key=lambda kv: -kv[1][1]):
-            print(f"  {us / blocks:8.2f} us per block  {count:4d} launches  grid {grid:>6}  {name}")
+        for name, (count, us, grid, dram) in sorted(names.items(), key=lambda kv: -kv[1][1]):
+            pct = f"  dram {dram / us:5.1f} %" if us > 0 and dram > 0 else ""
+            print(f"  {us / blocks:8.2f} us per block  {count:4d} launches  grid {grid:>6}{pct}  {name}")
         print(f"  {total / blocks:8.2f} us per block in {len(ks)} launches over {blocks} blocks")
         return
     part = int(sys.argv[3]) if len(sys.argv) == 4 and sys.argv[2] == "--last-part" else 1
