@@ -295,6 +295,30 @@ for stage in $stages; do
     step_bench 90 bench_quick_not_beside 1,8 0,8 --no-dense-lora-beside-gemm
     ncu_attention_block qwen3 1 8
     ncu_attention_block deepseek 1 0 ;;
+  mla)
+    # The tensor-core absorbed MLA (issue 11, 2026-12-07 sixteenth session): its op cases (each
+    # prints its worst row error), the RoPE and attention cases (shared helpers moved), sanitizers,
+    # verify on the DeepSeek fixture in all three modes, then the block and its kernels (ncu).
+    echo "== op suite: MLA, elementwise (RoPE), head pass, attention"
+    run_sharded 'Mla/*:SanitizeMla/*:Elt/*ROPE*:HeadPass/*:Attn/*decode*' mla_ops 200
+    grep -h "FAILED\|Failure" $out/mla_ops_shard*.log | head -20
+    grep -h "^\[ MLA " $out/mla_ops_shard*.log | sort -k9 -g | tail -3
+    run_sanitizers 'SanitizeMla/*' mla 90
+    for mode in "" "--no-graphs" "--no-overlap"; do
+      timeout 60 $bin verify --fixtures tests/fixtures/deepseekv3 --backend cuda $mode > $out/verify_deepseek${mode//-/_}.log 2>&1
+      echo "verify deepseek $mode exit $?"; grep "all cases" $out/verify_deepseek${mode//-/_}.log; tail -1 $out/verify_deepseek${mode//-/_}.log
+    done
+    for model in deepseek mixtral; do
+      timeout 120 ./.device/dev_attention_block $model --iters 20 --json $out/attention_block.jsonl > $out/attention_block_$model.log 2>&1
+      echo "exit $?"; grep -v "^#" $out/attention_block_$model.log | tail -13
+    done
+    # A/B without a product flag: dev_attention_block_a, when packed, is another build of the tree
+    # (what it is: the log of the call that packed it).
+    if [ -x ./.device/dev_attention_block_a ]; then
+      timeout 120 ./.device/dev_attention_block_a deepseek --iters 20 > $out/attention_block_deepseek_a.log 2>&1
+      echo "A exit $?"; grep -v "^#" $out/attention_block_deepseek_a.log | tail -13
+    fi
+    for Ta in "1 0" "64 0"; do ncu_attention_block deepseek $Ta; done ;;
   mlaprof)
     # DeepSeek-V3's absorbed MLA block per kernel (issue 11): 1, 64 and 256 tokens, and 8 adapters
     # at 1 token; the block's own timing first.
@@ -417,7 +441,7 @@ for stage in $stages; do
     cat $out/moe_block.log
     echo "== verify cuda, DeepSeek-V3 fixtures, shared experts concurrent (graphs, then eager)"
     for g in "" --no-graphs; do
-      timeout 100 $bin verify --fixtures tests/fixtures/deepseekv3 --backend cuda --shared-experts-concurrent $g \
+      timeout 60 $bin verify --fixtures tests/fixtures/deepseekv3 --backend cuda --shared-experts-concurrent $g \
         > $out/verify_shared_concurrent$g.log 2>&1; echo "exit $?"; tail -1 $out/verify_shared_concurrent$g.log
     done ;;
   lora)

@@ -15,6 +15,7 @@ MlaProblem deepseek(int tokens, int max_positions, int lora_rank_stride = 0) {
   p.tokens = tokens;
   p.heads = 128;
   p.latent = 512;
+  p.v_dim = 128;
   p.lora_rank_stride = lora_rank_stride;
   p.max_positions = max_positions;
   p.num_sms = 132;
@@ -30,6 +31,8 @@ void expect_consistent(const MlaProblem& p, const MlaPlan& plan) {
   EXPECT_GE(plan.splits, 1);
   EXPECT_LE(plan.splits, kMlaMaxSplits);
   EXPECT_EQ(plan.split_positions % kMlaTilePositions, 0);
+  EXPECT_TRUE(plan.query_cols == 32 || plan.query_cols == 128);
+  EXPECT_TRUE(plan.output_cols == 32 || plan.output_cols == 128);
   EXPECT_GE(int64_t{plan.splits} * plan.split_positions, p.max_positions);  // every position is in a split
   EXPECT_LT(int64_t{plan.splits - 1} * plan.split_positions, p.max_positions);  // and no split is always empty
   const size_t rows = static_cast<size_t>(plan.chunk_tokens) * p.heads;
@@ -51,7 +54,7 @@ TEST(MlaPlan, LargeDecodeBatchRunsInOnePassWithoutSplits) {
   const MlaPlan plan = choose_mla_plan(p);
   expect_consistent(p, plan);
   EXPECT_EQ(plan.chunk_tokens, 256);  // 256 x 128 heads x 512 x 4 B = 64 MiB
-  EXPECT_EQ(plan.splits, 1);          // 256 tokens x 16 head groups fill the GPU
+  EXPECT_EQ(plan.splits, 1);          // 256 tokens x 2 head groups fill the GPU
   EXPECT_EQ(plan.latent_bytes, size_t{64} << 20);
   EXPECT_EQ(plan.lora_bytes, 0u);
 }
@@ -60,9 +63,9 @@ TEST(MlaPlan, SingleTokenLongContextIsSplitOverPositions) {
   const MlaProblem p = deepseek(1, 4096);
   const MlaPlan plan = choose_mla_plan(p);
   expect_consistent(p, plan);
-  // 16 head groups want ceil(264 / 16) = 17 splits: 241 positions, rounded to 256, leave 16.
-  EXPECT_EQ(plan.split_positions, 256);
-  EXPECT_EQ(plan.splits, 16);
+  // 2 head groups of 64 want ceil(132 / 2) = 66 splits; 4096 / 128 allows 32: 128 positions each.
+  EXPECT_EQ(plan.split_positions, 128);
+  EXPECT_EQ(plan.splits, 32);
 }
 
 TEST(MlaPlan, ShortContextsAreNotSplit) {
@@ -70,15 +73,42 @@ TEST(MlaPlan, ShortContextsAreNotSplit) {
   const MlaPlan plan = choose_mla_plan(p);
   expect_consistent(p, plan);
   EXPECT_EQ(plan.splits, 1);
-  EXPECT_EQ(plan.split_positions, 128);
+  EXPECT_EQ(plan.split_positions, 128);  // 100 rounded up to whole 64-position tiles
+}
+
+TEST(MlaPlan, HeadsPerLatentBlockAreWholeGroupsOf16UpTo64) {
+  EXPECT_EQ(mla_heads_per_block(128), 64);
+  EXPECT_EQ(mla_heads_per_block(64), 64);
+  EXPECT_EQ(mla_heads_per_block(40), 48);
+  EXPECT_EQ(mla_heads_per_block(16), 16);
+  EXPECT_EQ(mla_heads_per_block(9), 16);
+  EXPECT_EQ(mla_heads_per_block(1), 16);
+}
+
+TEST(MlaPlan, AbsorptionsTakeNarrowColumnChunksOnlyWhereWideOnesLeaveSmsIdle) {
+  // One decode token: the query absorption's 128 heads x 4 wide chunks of R = 512 fill 132 SMs
+  // twice; the output absorption's 128 heads x 1 wide chunk of v = 128 would not.
+  MlaPlan plan = choose_mla_plan(deepseek(1, 512));
+  EXPECT_EQ(plan.query_cols, 128);
+  EXPECT_EQ(plan.output_cols, 32);
+  // 256 tokens are 4 chunks of 64: 512 wide blocks.
+  plan = choose_mla_plan(deepseek(256, 512));
+  EXPECT_EQ(plan.query_cols, 128);
+  EXPECT_EQ(plan.output_cols, 128);
+  // Tensor parallel 8 (16 heads): narrow for both until the tokens make up for the heads.
+  MlaProblem tp8 = deepseek(1, 512);
+  tp8.heads = 16;
+  plan = choose_mla_plan(tp8);
+  EXPECT_EQ(plan.query_cols, 32);
+  EXPECT_EQ(plan.output_cols, 32);
 }
 
 TEST(MlaPlan, ACapturedGraphSizesItsSplitsForTheContextBound) {
   const MlaProblem p = deepseek(1, 16384);  // CudaBackend::kGraphMaxPositions
   const MlaPlan plan = choose_mla_plan(p);
   expect_consistent(p, plan);
-  EXPECT_EQ(plan.splits, 17);
-  EXPECT_EQ(plan.split_positions, 992);
+  EXPECT_EQ(plan.splits, 64);  // 66 wanted, kMlaMaxSplits allowed
+  EXPECT_EQ(plan.split_positions, 256);
 }
 
 TEST(MlaPlan, LongPrefillRunsInPassesUnderTheBudget) {
@@ -109,7 +139,8 @@ TEST(MlaPlan, EveryProblemGetsAConsistentPlan) {
     MlaProblem p;
     p.tokens = pick(1, 5000);
     p.heads = pick(1, 160);
-    p.latent = pick(1, 704);
+    p.latent = pick(1, 512);
+    p.v_dim = pick(1, 256);
     p.lora_rank_stride = pick(0, 3) == 0 ? 0 : 1 << pick(0, 7);
     p.max_positions = pick(1, 40000);
     p.num_sms = pick(1, 140);

@@ -331,11 +331,20 @@ TEST(ShapeLimits, AbsorbedMlaIsJudgedByTheLatentKernelsNotTheHeadDims) {
 TEST(ShapeLimits, AbsorbedMlaCacheRowsWiderThanTheLatentKernelsTakeAreRefused) {
   ModelShapes s = deepseek_fixture();
   s.mla_absorbed = true;
-  s.kv_lora_rank = kMlaMaxLatentWidth - s.rope_dim;
+  s.kv_lora_rank = kMlaMaxLatent;
   expect_ok(s);
-  s.kv_lora_rank = kMlaMaxLatentWidth - s.rope_dim + 1;
-  expect_one(s, {"MLA (absorbed)", "kv_lora_rank 753 + rope 16 = 769", "at most 768", "--mla decompressed"});
-  s.mla_absorbed = false;  // the decompressed form never reads a latent row
+  s.kv_lora_rank = kMlaMaxLatent + 1;
+  expect_one(s, {"MLA (absorbed)", "kv_lora_rank 513 + rope 16 = 529", "kv_lora_rank of at most 512",
+                 "--mla decompressed"});
+  s.kv_lora_rank = kMlaMaxLatent;
+  s.rope_dim = kMlaMaxLatentWidth - kMlaMaxLatent;  // the rotary part of the head grows with it
+  s.k_head_dim = s.rope_offset + s.rope_dim;
+  expect_ok(s);
+  s.rope_dim += 2;
+  s.k_head_dim += 2;
+  expect_one(s, {"MLA (absorbed)", "kv_lora_rank 512 + rope 258 = 770", "at most 768 values"});
+  s = deepseek_fixture();
+  s.kv_lora_rank = kMlaMaxLatent + 1;  // the decompressed form never reads a latent row
   expect_ok(s);
 }
 

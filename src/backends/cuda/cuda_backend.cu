@@ -15,6 +15,7 @@
 #include "backends/cuda/kernels/attention.cuh"
 #include "backends/cuda/kernels/dense_gemm.cuh"
 #include "backends/cuda/kernels/lora_dense.cuh"
+#include "backends/cuda/kernels/mla_attention.cuh"
 #include "backends/cuda/kernels/moe_align.cuh"
 #include "backends/cuda/kernels/moe_gemm.cuh"
 #include "backends/cuda/kernels/moe_lora.cuh"
@@ -35,6 +36,7 @@ CudaBackend::CudaBackend(const CudaBackendOptions& opts) : opts_(opts), meta_(st
   // Kernel attributes (shared-memory limits) are set once here, never during a capture.
   cuda::lora_dense_prepare();
   cuda::attention_prepare();
+  cuda::mla_prepare();
   cuda::moe_gemm_init();
   dense_ = std::make_unique<cuda::DenseGemmContext>();
   lora_ = std::make_unique<cuda::LoraContext>();

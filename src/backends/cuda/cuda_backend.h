@@ -278,8 +278,8 @@ class CudaBackend final : public Backend {
   // from the memory left.
   struct MlaAbsorbedWeights {
     Tensor source;  // kv_b.w
-    Tensor w_uk;    // bf16 [heads, nope, R]
-    Tensor w_uv_t;  // bf16 [heads, R, v_dim]
+    Tensor w_uk_t;  // bf16 [heads, R, nope]
+    Tensor w_uv;    // bf16 [heads, v_dim, R]
     int heads = 0, nope = 0, v_dim = 0;
   };
   const MlaAbsorbedWeights& mla_absorbed_weights(const LinearWeight& kv_b, int heads, int nope, int v_dim);

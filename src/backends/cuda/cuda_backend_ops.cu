@@ -673,8 +673,8 @@ const CudaBackend::MlaAbsorbedWeights& CudaBackend::mla_absorbed_weights(const L
   MlaAbsorbedWeights w;
   w.source = kv_b.w;
   w.heads = heads, w.nope = nope, w.v_dim = v_dim;
-  w.w_uk = bf16_tensor({heads, nope, R});
-  w.w_uv_t = bf16_tensor({heads, R, v_dim});
+  w.w_uk_t = bf16_tensor({heads, R, nope});
+  w.w_uv = bf16_tensor({heads, v_dim, R});
   // NVFP4 kv_b (kept 4-bit): its bf16 dequantisation, as a bf16 upload would hold it, feeds the
   // same preparation; freed once the copies exist.
   Tensor kv_b_bf16;
@@ -690,8 +690,8 @@ const CudaBackend::MlaAbsorbedWeights& CudaBackend::mla_absorbed_weights(const L
   prep.block_in = kv_b.block_in;
   prep.split_rows = kv_b.split_rows;
   prep.heads = heads, prep.nope = nope, prep.v_dim = v_dim, prep.R = R;
-  prep.w_uk = static_cast<bf16*>(w.w_uk.data());
-  prep.w_uv_t = static_cast<bf16*>(w.w_uv_t.data());
+  prep.w_uk_t = static_cast<bf16*>(w.w_uk_t.data());
+  prep.w_uv = static_cast<bf16*>(w.w_uv.data());
   cuda::launch_mla_prepare_weights(prep, main_);
   if (nvfp4) MOELORA_CUDA_CHECK(cudaStreamSynchronize(main_));  // before kv_b_bf16 is freed
   return mla_weights_.emplace(kv_b.w.data(), std::move(w)).first->second;
@@ -702,10 +702,10 @@ void CudaBackend::mla_attention_absorbed(const Tensor& q, const Tensor& latent, 
                                          int heads, int nope, int v_dim, float scale, Tensor out) {
   const int T = static_cast<int>(q.rows()), R = static_cast<int>(latent.cols()), rope = static_cast<int>(k_pe.cols());
   check_mla_absorbed_shapes(batch_.num_tokens(), q, latent, k_pe, kv_b, kv_b_lora, kv, heads, nope, v_dim, out);
-  MOELORA_CHECK_MSG(R + rope <= cuda_plan::kMlaMaxLatentWidth,
-                    "absorbed MLA: kv_lora_rank {} + rope {} above the kernels' {} (cuda_plan::check_shape_limits "
-                    "refuses such a model at load)",
-                    R, rope, cuda_plan::kMlaMaxLatentWidth);
+  MOELORA_CHECK_MSG(R <= cuda_plan::kMlaMaxLatent && R + rope <= cuda_plan::kMlaMaxLatentWidth,
+                    "absorbed MLA: kv_lora_rank {} + rope {} above the kernels' {} latent values and {} per cache row "
+                    "(cuda_plan::check_shape_limits refuses such a model at load)",
+                    R, rope, cuda_plan::kMlaMaxLatent, cuda_plan::kMlaMaxLatentWidth);
   const MlaAbsorbedWeights& w = mla_absorbed_weights(kv_b, heads, nope, v_dim);
   if (T == 0) return;
 
@@ -725,6 +725,7 @@ void CudaBackend::mla_attention_absorbed(const Tensor& q, const Tensor& latent, 
   pr.tokens = T;
   pr.heads = heads;
   pr.latent = R;
+  pr.v_dim = v_dim;
   pr.lora_rank_stride = rank_stride;
   pr.num_sms = sms;
   pr.max_chunk_tokens = opts_.mla_max_pass_tokens;
@@ -757,8 +758,8 @@ void CudaBackend::mla_attention_absorbed(const Tensor& q, const Tensor& latent, 
   p.v_dim = v_dim;
   p.R = R;
   p.scale = scale;
-  p.w_uk = static_cast<const bf16*>(w.w_uk.data());
-  p.w_uv_t = static_cast<const bf16*>(w.w_uv_t.data());
+  p.w_uk_t = static_cast<const bf16*>(w.w_uk_t.data());
+  p.w_uv = static_cast<const bf16*>(w.w_uv.data());
   if (rank_stride > 0) {
     p.lora_a = kv_b_lora->a_ptrs.ptr<int64_t>();
     p.lora_b = kv_b_lora->b_ptrs.ptr<int64_t>();

@@ -12,6 +12,10 @@ size_t aligned256(size_t n) { return (n + 255) / 256 * 256; }
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 }  // namespace
 
+int mla_heads_per_block(int heads) {
+  return 16 * static_cast<int>(std::clamp<int64_t>(ceil_div(heads, 16), 1, kMlaMaxHeadsPerBlock / 16));
+}
+
 MlaPlan choose_mla_plan(const MlaProblem& p) {
   MOELORA_CHECK_MSG(p.tokens >= 1 && p.heads >= 1 && p.latent >= 1 && p.max_positions >= 1 && p.lora_rank_stride >= 0,
                     "absorbed MLA plan: {} tokens, {} heads, latent {}, {} positions, LoRA ranks {}", p.tokens,
@@ -21,10 +25,10 @@ MlaPlan choose_mla_plan(const MlaProblem& p) {
   plan.chunk_tokens = static_cast<int>(std::clamp<size_t>(kMlaScratchBudget / per_token, 1, p.tokens));
   if (p.max_chunk_tokens > 0) plan.chunk_tokens = std::min(plan.chunk_tokens, p.max_chunk_tokens);
 
-  // Two blocks of the latent attention per SM before splitting: with fewer, the SMs that have a
-  // block still walk the whole context alone.
-  const int64_t blocks = int64_t{plan.chunk_tokens} * ceil_div(p.heads, kMlaHeadsPerBlock);
-  const int64_t target = 2 * int64_t{std::max(1, p.num_sms)};
+  // A latent-attention block per SM before splitting (one fits: its query and two tiles take most
+  // of the shared memory): with fewer, the SMs that have a block still walk the whole context alone.
+  const int64_t blocks = int64_t{plan.chunk_tokens} * ceil_div(p.heads, mla_heads_per_block(p.heads));
+  const int64_t target = int64_t{std::max(1, p.num_sms)};
   int64_t splits = 1;
   if (blocks < target) {
     const int64_t want = ceil_div(target, blocks);
@@ -34,6 +38,16 @@ MlaPlan choose_mla_plan(const MlaProblem& p) {
   const int64_t per_split = ceil_div(ceil_div(p.max_positions, splits), kMlaTilePositions) * kMlaTilePositions;
   plan.split_positions = static_cast<int>(per_split);
   plan.splits = static_cast<int>(ceil_div(p.max_positions, per_split));  // rounding may leave fewer
+
+  // Absorption column chunks: wide where the wide grid still gives every SM two blocks, narrow
+  // (4x the blocks) where it would not. Not yet measured against each other (bench/RESULTS.md).
+  const int64_t token_chunks = ceil_div(plan.chunk_tokens, kMlaAbsorbTokens);
+  auto cols_for = [&](int n) {
+    const int64_t wide_blocks = int64_t{p.heads} * ceil_div(n, 128) * token_chunks;
+    return wide_blocks >= 2 * int64_t{std::max(1, p.num_sms)} ? 128 : 32;
+  };
+  plan.query_cols = cols_for(p.latent);
+  plan.output_cols = cols_for(p.v_dim > 0 ? p.v_dim : p.latent);
 
   const size_t rows = static_cast<size_t>(plan.chunk_tokens) * p.heads;
   plan.latent_bytes = aligned256(rows * p.latent * sizeof(float));

@@ -3,9 +3,13 @@
 // - how many tokens one pass of the kernels takes: their float32 scratch (the absorbed query, later
 //   the latent output, and the kv_b LoRA's rank-r sums) is per token and head, ~256 KiB per token
 //   at DeepSeek-V3's 128 heads, so a long prefill chunk runs in passes under a fixed budget;
-// - how many KV splits the latent attention uses: its grid is tokens x head groups, which at small
-//   decode batches leaves most SMs idle (1 token x 16 head groups on 132 SMs), so each (token,
-//   head group) is split over its positions and the splits are merged afterwards (flash-decoding).
+// - how many KV splits the latent attention uses: its grid is tokens x head groups (of up to 64
+//   heads), which at small decode batches leaves most SMs idle (1 token x 2 head groups on 132
+//   SMs), so each (token, head group) is split over its positions and the splits are merged
+//   afterwards (flash-decoding);
+// - how many output columns a block of each absorption takes (32 or 128): narrow chunks put more
+//   blocks in flight for the weight stream of a decode step, wide ones read each token's input row
+//   (for the output absorption the float32 latent output, 2 KiB per head) fewer times.
 // Nothing here affects results beyond float32 summation order.
 #pragma once
 
@@ -14,20 +18,26 @@
 namespace moelora::cuda_plan {
 
 // The kernels' constants this plan and shape_limits depend on (mla_attention.cu static_asserts them).
-inline constexpr int kMlaHeadsPerBlock = 8;     // latent attention: one warp per head, 8 warps
-inline constexpr int kMlaTilePositions = 32;    // latent attention: cache rows per shared-memory tile
-// kv_lora_rank + rope: a tile of 32 rows padded to 64-value multiples must fit the 48 KiB of shared
-// memory a kernel gets without opting in (32 x 768 x 2 B = 48 KiB), and each lane keeps 768 / 32
-// query values in registers. DeepSeek-V2/V3 and Kimi K2 use 512 + 64 = 576.
+inline constexpr int kMlaMaxHeadsPerBlock = 64;  // latent attention: 4 row groups of 16 heads, 2 warps each
+inline constexpr int kMlaTilePositions = 64;     // latent attention: cache rows per shared-memory tile
+inline constexpr int kMlaAbsorbTokens = 64;      // absorptions: tokens per block (4 warps x 16 rows)
+// The latent attention keeps half of O's R columns per warp in registers (R / 2 / 8 MMA tiles of
+// 4 floats: 128 per lane at R = 512) and a cache row of R + rope values, rounded up to 16, in shared
+// memory beside the block's query. DeepSeek-V2/V3 and Kimi K2 use 512 + 64 = 576.
+inline constexpr int kMlaMaxLatent = 512;
 inline constexpr int kMlaMaxLatentWidth = 768;
 inline constexpr int kMlaMaxSplits = 64;          // the merge keeps one weight per split in shared memory
 inline constexpr int kMlaMinSplitPositions = 128;  // below this a split is not worth its merge
 inline constexpr size_t kMlaScratchBudget = size_t{128} << 20;  // per pass, float32 scratch
 
+// Heads one latent-attention block takes: 16 per row group, up to 4 row groups.
+int mla_heads_per_block(int heads);
+
 struct MlaProblem {
   int tokens = 0;            // T of the call
   int heads = 0;             // query heads (the rank's)
   int latent = 0;            // kv_lora_rank R
+  int v_dim = 0;             // value head dim (the output absorption's columns); 0 = as R
   int lora_rank_stride = 0;  // ranks the LoRA scratch holds per (token, head); 0 = no kv_b LoRA
   int max_positions = 0;     // longest context a token attends to (a captured graph: its bound)
   int num_sms = 132;
@@ -38,6 +48,8 @@ struct MlaPlan {
   int chunk_tokens = 0;     // tokens per pass (the last pass may take fewer)
   int splits = 1;           // KV splits per (token, head group)
   int split_positions = 0;  // positions per split, a multiple of kMlaTilePositions
+  int query_cols = 128;     // output columns per query-absorption block: 32 or 128
+  int output_cols = 128;    // output columns per output-absorption block: 32 or 128
   // Scratch of one pass, each part 256-byte aligned, laid out in this order.
   size_t latent_bytes = 0;   // [chunk][heads][R] f32: the absorbed query, then the latent output
   size_t partial_bytes = 0;  // splits > 1: [chunk][heads][splits][R] f32 unnormalised outputs

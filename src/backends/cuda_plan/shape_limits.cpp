@@ -32,13 +32,15 @@ std::vector<std::string> shape_limit_violations(const ModelShapes& s) {
 
   if (s.kv_lora_rank > 0 && s.mla_absorbed) {
     // MLA in the absorbed form runs kernels/mla_attention.cu instead of the attention kernels:
-    // launch_mla_absorbed (and CudaBackend::mla_attention_absorbed) checks the cache row width, a
-    // tile of 32 rows of it in the default 48 KiB of shared memory. Heads, nope and v_dim are free.
-    if (s.kv_lora_rank + s.rope_dim > kMlaMaxLatentWidth)
+    // launch_mla_absorbed (and CudaBackend::mla_attention_absorbed) checks the latent width (half of
+    // O's columns per warp in registers) and the cache row width (the block's query and a tile of
+    // 64 rows in shared memory). Heads, nope and v_dim are free.
+    if (s.kv_lora_rank > kMlaMaxLatent || s.kv_lora_rank + s.rope_dim > kMlaMaxLatentWidth)
       v.push_back(fmt::format("MLA (absorbed): kv_lora_rank {} + rope {} = {} cached values per token, the CUDA "
-                              "latent attention takes at most {} (use --mla decompressed, if its head dims are "
-                              "supported)",
-                              s.kv_lora_rank, s.rope_dim, s.kv_lora_rank + s.rope_dim, kMlaMaxLatentWidth));
+                              "latent attention takes a kv_lora_rank of at most {} and at most {} values (use --mla "
+                              "decompressed, if its head dims are supported)",
+                              s.kv_lora_rank, s.rope_dim, s.kv_lora_rank + s.rope_dim, kMlaMaxLatent,
+                              kMlaMaxLatentWidth));
   } else {
     // Attention. kernels/attention.cu: the tensor-core kernels for the pairs they are built for,
     // the generic kernel for the rest up to its limit (choose_attention_kernel, which

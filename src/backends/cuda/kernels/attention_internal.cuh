@@ -92,19 +92,7 @@ __device__ __forceinline__ void row_normalisers(float (&l)[2], bool v0, bool v1,
   inv1 = v1 ? 1.0f / l[1] : 0.0f;
 }
 
-// cp.async of SZ bytes (4, 8 or 16); pred false writes zeros and reads nothing.
-template <int SZ>
-__device__ __forceinline__ void cp_async(void* smem, const void* gmem, bool pred) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int src = pred ? SZ : 0;
-  if constexpr (SZ == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src) : "memory");
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(s), "l"(gmem), "n"(SZ), "r"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+// cp_async, ldmatrix_x4 and smem_addr: backends/cuda/cuda_utils.cuh.
 
 // The decode kernel (attention_decode.cu), instantiated there for cuda_plan::kTensorCoreHeadDims;
 // decode_prepare raises its shared-memory limits.

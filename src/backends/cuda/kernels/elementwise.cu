@@ -169,6 +169,13 @@ __device__ __forceinline__ int64_t kv_cache_offset(const KvCacheWrite& c, int64_
   return row * (static_cast<int64_t>(kv_heads) * D) + static_cast<int64_t>(kvh) * D;
 }
 
+// Heads per thread: a thread rotates one pair of up to kRopeHeadsPerThread heads (grid.y spreads
+// the rest), loading all of them before it stores any. One thread walking every head with a load
+// after each store (the stores may alias later loads as far as the compiler knows) was a chain of
+// dependent global round trips: 15 us for DeepSeek-V3's 128 query heads at one token on the H200
+// (ncu, 2026-12-07); bench/RESULTS.md (sixteenth session) has the time of this form.
+constexpr int kRopeHeadsPerThread = 8;
+
 __global__ void rope_kernel(RopeParams p) {
   pdl_wait();  // first: see launch_pdl (launch.cuh)
   pdl_trigger();
@@ -177,22 +184,38 @@ __global__ void rope_kernel(RopeParams p) {
   if (idx >= static_cast<int64_t>(p.T) * half) return;
   const int64_t t = idx / half;
   const int i = static_cast<int>(idx % half);
+  const int h0 = static_cast<int>(blockIdx.y) * kRopeHeadsPerThread;
+  const int nh = min(kRopeHeadsPerThread, p.heads - h0);
   float s, c;
   const int32_t pos = p.positions[t];
   rope_cos_sin(pos, p.inv_freq[i], p.attention_factor, &c, &s);
   const int o1 = p.interleaved ? 2 * i : i;
   const int o2 = p.interleaved ? 2 * i + 1 : i + half;
   bf16* row = p.x + t * p.ld_x + p.rot_offset;
+  float x1[kRopeHeadsPerThread], x2[kRopeHeadsPerThread];
+#pragma unroll
+  for (int j = 0; j < kRopeHeadsPerThread; ++j) {
+    if (j >= nh) break;
+    const bf16* base = row + static_cast<int64_t>(h0 + j) * p.head_stride;
+    x1[j] = __bfloat162float(base[o1]);
+    x2[j] = __bfloat162float(base[o2]);
+  }
   const KvCacheWrite& kw = p.cache;
   const int kv_heads = p.heads - p.kv_first_head;
   const int64_t cache_row = kw.k_cache ? kv_cache_offset(kw, t, pos, kv_heads, p.head_stride, 0) : 0;
-  for (int h = 0; h < p.heads; ++h) {
+#pragma unroll
+  for (int j = 0; j < kRopeHeadsPerThread; ++j) {
+    if (j >= nh) break;
+    const int h = h0 + j;
     bf16* base = row + static_cast<int64_t>(h) * p.head_stride;
-    rope_pair(__bfloat162float(base[o1]), __bfloat162float(base[o2]), c, s, base + o1, base + o2);
+    bf16 r1, r2;
+    rope_pair(x1[j], x2[j], c, s, &r1, &r2);
+    base[o1] = r1;
+    base[o2] = r2;
     if (kw.k_cache && h >= p.kv_first_head) {  // pair (o1, o2) of a kv head: its rotated k and its v
       const int64_t off = cache_row + static_cast<int64_t>(h - p.kv_first_head) * p.head_stride;
-      kw.k_cache[off + o1] = base[o1];  // the stored bits, read back by the thread that wrote them
-      kw.k_cache[off + o2] = base[o2];
+      kw.k_cache[off + o1] = r1;
+      kw.k_cache[off + o2] = r2;
       const bf16* vs = kw.v + t * kw.ld_v + static_cast<int64_t>(h - p.kv_first_head) * p.head_stride;
       kw.v_cache[off + o1] = vs[o1];
       kw.v_cache[off + o2] = vs[o2];
@@ -415,9 +438,10 @@ void launch_rope(const RopeParams& p, cudaStream_t stream) {
   MOELORA_CHECK_MSG(!p.cache.k_cache || (p.rot_offset == 0 && p.rot_dim == p.head_stride && p.kv_first_head > 0 &&
                                          p.kv_first_head < p.heads),
                     "rope: the cache write needs whole heads rotated and kv heads after the q heads");
-  if (p.T == 0 || p.rot_dim == 0) return;
+  if (p.T == 0 || p.rot_dim == 0 || p.heads <= 0) return;
   const int64_t n = static_cast<int64_t>(p.T) * (p.rot_dim / 2);
-  launch_pdl(rope_kernel, dim3(static_cast<unsigned>(ceil_div64(n, 128))), dim3(128), 0, stream, p);
+  const dim3 grid(static_cast<unsigned>(ceil_div64(n, 128)), static_cast<unsigned>(ceil_div(p.heads, kRopeHeadsPerThread)));
+  launch_pdl(rope_kernel, grid, dim3(128), 0, stream, p);
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 

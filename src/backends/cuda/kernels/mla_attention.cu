@@ -1,17 +1,24 @@
 // DeepSeek MLA, absorbed form (see mla_attention.cuh for the math and the kernel sequence).
 //
-// Why this shape of kernels: the two absorptions are, per head, GEMMs over the step's tokens
-// (qc = q_nope W_UK_h, out = o W_UV_h^T), so their blocks take one head and 32 tokens and each
-// weight element is read once per 32 tokens; the attention is MQA with one 576-wide "KV head"
-// (the latent row, shared by every query head), so its blocks take one token and 8 heads and stage
-// each cache row once in shared memory for all 8 warps. The kv_b LoRA is grouped per token instead
-// (all heads of a token share A), in two small kernels around the attention.
-//
-// Where the time goes (f32 FMAs on CUDA cores, correctness first): per token the absorptions cost
-// heads x R x (nope + v_dim) FMAs and read W_UK / W_UV once per 32 tokens; the latent attention costs
-// heads x positions x (2R + rope) FMAs, 4x the absorptions at DeepSeek-V3's shapes and 512 positions
-// and growing with the context. It is the first candidate for bf16 MMA (qc then rounded to bf16 as a
-// query, as the attention kernel rounds P).
+// Why this shape of kernels:
+// - The two absorptions are, per head, GEMMs over the step's tokens (qc = q_nope W_UK_h,
+//   out = o W_UV_h^T): absorb_kernel takes one head, a chunk of output columns and up to 64 tokens,
+//   on bf16 tensor cores (mma.sync m16n8k16), the weight chunk streamed through shared memory by
+//   cp.async in 128-deep slices. At decode sizes they are weight streams (16 MiB of bf16 per
+//   absorption at DeepSeek-V3's shapes), so the column chunk is narrow there for many blocks in
+//   flight, and wide for long prefills so that the float32 latent output is read once per head
+//   (cuda_plan::choose_mla_plan).
+// - The attention is MQA with one R + rope wide "KV head" (the latent row, shared by every query
+//   head), so it is a GEMM per token too: S = Q K^T over the token's heads (the MMA's rows, 16 per
+//   warp) and 64 cached positions per shared-memory tile, then O += P V with V the tile's first R
+//   columns. A block takes one token, up to 64 heads and one KV split; its warps come in pairs that
+//   share 16 heads and each own half of O's R columns (128 float32 accumulators per lane at
+//   R = 512), so each warp of a pair computes the pair's S itself (the QK^T half of the MMAs is done
+//   twice; exchanging P through shared memory would save it: the next step). Tiles are
+//   double-buffered with cp.async where two fit beside the block's query.
+// - The kv_b LoRA is grouped per token instead (all heads of a token share A), in two small kernels
+//   around the attention.
+// Every kernel waits for its predecessor first and then lets its dependents launch (launch_pdl).
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -26,33 +33,32 @@
 namespace moelora::cuda {
 namespace {
 
-using cuda_plan::kMlaHeadsPerBlock;
+using cuda_plan::kMlaMaxLatent;
 using cuda_plan::kMlaMaxLatentWidth;
 using cuda_plan::kMlaMaxSplits;
 using cuda_plan::kMlaTilePositions;
 
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr unsigned kFull = 0xffffffffu;
 
-// The two absorption GEMMs: a block is one head x kAbsorbTokens tokens; each thread owns one output
-// column and keeps kAbsorbTokens float32 sums in registers; the token-side operand is staged in
-// shared memory kStageDepth rows at a time, transposed so that a float4 read gives 4 tokens.
-constexpr int kAbsorbTokens = 32;
-constexpr int kAbsorbThreads = 128;
-constexpr int kStageDepth = 64;
-constexpr int kStagePitch = kAbsorbTokens + 4;  // floats: keeps float4 alignment, spreads the stores' banks
+// ---- Absorptions (absorb_kernel): 4 warps, each 16 token rows of a 64-token chunk and NTW
+// n-tiles of 8 output columns; K in slices of kAbsorbK staged in shared memory.
+constexpr int kAbsorbWarps = 4;
+constexpr int kAbsorbThreads = 32 * kAbsorbWarps;
+constexpr int kAbsorbRows = 16 * kAbsorbWarps;  // tokens per block (cuda_plan::kMlaAbsorbTokens)
+constexpr int kAbsorbK = 128;
+constexpr int kAbsorbPitch = kAbsorbK + 8;  // bf16: 68 words per row, 4 mod 32, so the fragment loads miss no bank
+static_assert(kAbsorbRows == cuda_plan::kMlaAbsorbTokens, "the plan's token chunk is the kernel's");
 
-// The latent attention: one warp per head of the block, kTile cache rows per shared-memory tile.
-constexpr int kAttnWarps = kMlaHeadsPerBlock;
-constexpr int kAttnThreads = kAttnWarps * 32;
+// ---- Latent attention: warp pairs of 16 heads, 64 positions per tile.
 constexpr int kTile = kMlaTilePositions;
-constexpr int kMaxWords = kMlaMaxLatentWidth / 64;  // bf16 pairs per lane of one padded row
-static_assert(kTile == 32, "the score reduce-scatter gives lane j the score of row j");
-static_assert(kMlaMaxLatentWidth % 64 == 0, "rows are padded to 64-value multiples");
-static_assert(kTile * kMlaMaxLatentWidth * 2 <= 48 * 1024, "a tile fits the default dynamic shared memory");
+constexpr int kMaxRowGroups = cuda_plan::kMlaMaxHeadsPerBlock / 16;
+constexpr int kMaxHalfTiles = kMlaMaxLatent / 2 / 8;  // n-tiles of 8 columns in half of O
+static_assert(kTile == 64, "the S fragments below cover 8 n-tiles of 8 positions");
+static_assert(cuda_plan::kMlaMaxHeadsPerBlock % 16 == 0, "row groups of 16 heads");
 
-// The kv_b LoRA kernels: a block is one token x kLoraHeads heads.
-constexpr int kLoraHeads = 8;
+// The kv_b LoRA kernels: a block is one token x kLoraHeads heads (2: 64 blocks for DeepSeek-V3's
+// 128 heads at one token; with 8, 16 blocks of serial sums took 19 us, ncu on the H200, 2026-12-07).
+constexpr int kLoraHeads = 2;
 constexpr int kLoraThreads = 128;
 constexpr int kLoraMaxRank = cuda_plan::kMaxLoraRank;  // set_lora_slot refuses higher ranks
 
@@ -83,32 +89,28 @@ __device__ __forceinline__ TokenLora token_lora(const MlaAbsorbedParams& p, int 
   return l;
 }
 
-// The absorptions' inner loop, shared by both: acc[tt] += sum over the n staged depth rows d of
-// stage[d][tt] * w[d * w_stride] (one weight column; a float4 of the stage gives 4 tokens).
-__device__ __forceinline__ void fma_staged(const float (&stage)[kStageDepth][kStagePitch], const bf16* w,
-                                           int64_t w_stride, int n, float (&acc)[kAbsorbTokens]) {
-#pragma unroll 4
-  for (int d = 0; d < n; ++d) {
-    const float wv = bf(w[static_cast<int64_t>(d) * w_stride]);
-    const float4* s4 = reinterpret_cast<const float4*>(stage[d]);
-#pragma unroll
-    for (int k = 0; k < kAbsorbTokens / 4; ++k) {
-      const float4 s = s4[k];
-      acc[4 * k] += s.x * wv;
-      acc[4 * k + 1] += s.y * wv;
-      acc[4 * k + 2] += s.z * wv;
-      acc[4 * k + 3] += s.w * wv;
-    }
-  }
-}
+// ---- 1 and 6. The absorptions: C[m][n] = sum_k A[m][k] W[n][k] for one head, bf16 operands,
+// float32 accumulation.
+//   kOutput false (query_absorb): A = q_nope (bf16 rows of q), W = W_UK_h^T [R][nope], C -> the
+//                  float32 qc scratch; the (head 0, column chunk 0) blocks also write the cache rows.
+//   kOutput true (output_absorb): A = the float32 latent output o (rounded to bf16 here), W = W_UV_h
+//                  [v_dim][R], C + B_UV_h u (the kv_b LoRA's expand, float32) -> bf16 out, rounded once.
+template <bool kOutput, int NTW>
+__global__ void __launch_bounds__(kAbsorbThreads) absorb_kernel(MlaAbsorbedParams p, int t0, int tc, float* lat,
+                                                                 const float* ua) {
+  extern __shared__ __align__(16) bf16 smem[];
+  pdl_wait();  // first: see launch_pdl (launch.cuh)
+  pdl_trigger();
+  constexpr int kCols = 8 * NTW;
+  bf16* As = smem;                               // [kAbsorbRows][kAbsorbPitch]
+  bf16* Ws = smem + kAbsorbRows * kAbsorbPitch;  // [kCols][kAbsorbPitch]
+  const int h = blockIdx.x, n0 = blockIdx.y * kCols, tt0 = blockIdx.z * kAbsorbRows;
+  const int nt = min(kAbsorbRows, tc - tt0);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
+  const int K = kOutput ? p.R : p.nope, N = kOutput ? p.v_dim : p.R;
+  const bf16* w = (kOutput ? p.w_uv : p.w_uk_t) + static_cast<int64_t>(h) * N * K;
 
-// ---- 1. qc = W_UK_h^T q_nope_h, and the cache write.
-__global__ void __launch_bounds__(kAbsorbThreads) query_absorb_kernel(MlaAbsorbedParams p, int t0, int tc,
-                                                                        float* lat) {
-  __shared__ __align__(16) float stage[kStageDepth][kStagePitch];
-  const int h = blockIdx.x, tt0 = blockIdx.y * kAbsorbTokens, nt = min(kAbsorbTokens, tc - tt0);
-  const int tid = threadIdx.x;
-  if (h == 0) {  // every token of the pass enters the cache once, before the attention kernel runs
+  if (!kOutput && h == 0 && blockIdx.y == 0) {  // every token of the pass enters the cache once
     const int width = p.R + p.rope;
     for (int tt = 0; tt < nt; ++tt) {
       const int t = t0 + tt0 + tt;
@@ -118,48 +120,121 @@ __global__ void __launch_bounds__(kAbsorbThreads) query_absorb_kernel(MlaAbsorbe
       for (int i = tid; i < width; i += kAbsorbThreads) row[i] = i < p.R ? c[i] : pe[i - p.R];
     }
   }
-  const int qh = p.nope + p.rope;
-  const bf16* q = p.q + static_cast<int64_t>(t0 + tt0) * p.ld_q + static_cast<int64_t>(h) * qh;
-  for (int i0 = 0; i0 < p.R; i0 += kAbsorbThreads) {
-    const int i = i0 + tid;
-    float acc[kAbsorbTokens];
+  const bool warp_rows = warp * 16 < nt;  // warp-uniform: the warp has a token
+  float acc[NTW][4];
 #pragma unroll
-    for (int tt = 0; tt < kAbsorbTokens; ++tt) acc[tt] = 0.0f;
-    for (int d0 = 0; d0 < p.nope; d0 += kStageDepth) {
-      const int nd = min(kStageDepth, p.nope - d0);
-      __syncthreads();
-      for (int idx = tid; idx < kStageDepth * kAbsorbTokens; idx += kAbsorbThreads) {
-        const int tt = idx / kStageDepth, dd = idx % kStageDepth;
-        stage[dd][tt] = tt < nt && dd < nd ? bf(q[static_cast<int64_t>(tt) * p.ld_q + d0 + dd]) : 0.0f;
+  for (int j = 0; j < NTW; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  const bool w_vec = K % 8 == 0;  // W rows start 16-byte aligned (its own allocation, K values per row)
+  for (int k0 = 0; k0 < K; k0 += kAbsorbK) {
+    const int kn = min(kAbsorbK, K - k0), kp = (kn + 15) / 16 * 16;
+    __syncthreads();  // the previous slice is consumed
+    // W slice: kCols rows x kp values (zeros past N and K).
+    if (w_vec) {
+      const int chunks = kp / 8;
+      for (int idx = tid; idx < kCols * chunks; idx += kAbsorbThreads) {
+        const int r = idx / chunks, c = idx % chunks;
+        const bool ok = n0 + r < N && c * 8 < kn;
+        cp_async<16>(Ws + r * kAbsorbPitch + c * 8, ok ? w + static_cast<int64_t>(n0 + r) * K + k0 + c * 8 : w, ok);
       }
-      __syncthreads();
-      if (i < p.R) fma_staged(stage, p.w_uk + (static_cast<int64_t>(h) * p.nope + d0) * p.R + i, p.R, nd, acc);
+      cp_async_commit();
+    } else {
+      for (int idx = tid; idx < kCols * kp; idx += kAbsorbThreads) {
+        const int r = idx / kp, c = idx % kp;
+        Ws[r * kAbsorbPitch + c] = n0 + r < N && c < kn ? w[static_cast<int64_t>(n0 + r) * K + k0 + c] : bf16(0.0f);
+      }
     }
-    if (i < p.R) {
-      float* dst = lat + (static_cast<int64_t>(tt0) * p.heads + h) * p.R + i;
+    // A slice: the rows of the warps that have a token (zeros past the pass's tokens and K).
+    const int arows = min(kAbsorbRows, (nt + 15) / 16 * 16);
+    for (int idx = tid; idx < arows * kp; idx += kAbsorbThreads) {
+      const int r = idx / kp, c = idx % kp;
+      float v = 0.0f;
+      if (r < nt && c < kn) {
+        if constexpr (kOutput)
+          v = lat[(static_cast<int64_t>(tt0 + r) * p.heads + h) * p.R + k0 + c];
+        else
+          v = bf(p.q[static_cast<int64_t>(t0 + tt0 + r) * p.ld_q + static_cast<int64_t>(h) * (p.nope + p.rope) + k0 + c]);
+      }
+      As[r * kAbsorbPitch + c] = __float2bfloat16_rn(v);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    if (warp_rows) {
+      const uint32_t* a32 = reinterpret_cast<const uint32_t*>(As + (warp * 16 + g) * kAbsorbPitch) + q;
+      const uint32_t* w32 = reinterpret_cast<const uint32_t*>(Ws + g * kAbsorbPitch) + q;
+      for (int ks = 0; ks < kp / 16; ++ks) {
+        uint32_t a[4];
+        a[0] = a32[ks * 8];
+        a[1] = a32[ks * 8 + 8 * kAbsorbPitch / 2];
+        a[2] = a32[ks * 8 + 4];
+        a[3] = a32[ks * 8 + 4 + 8 * kAbsorbPitch / 2];
 #pragma unroll
-      for (int tt = 0; tt < kAbsorbTokens; ++tt)
-        if (tt < nt) dst[static_cast<int64_t>(tt) * p.heads * p.R] = acc[tt];
+        for (int j = 0; j < NTW; ++j) {
+          const uint32_t* b = w32 + j * 8 * kAbsorbPitch / 2 + ks * 8;
+          mma_bf16_16816(acc[j], a, b[0], b[4]);
+        }
+      }
+    }
+  }
+  if (!warp_rows) return;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = warp * 16 + g + 8 * half;  // token of the chunk
+    if (r >= nt) continue;
+    const int tt = tt0 + r;
+    if constexpr (!kOutput) {
+      float* dst = lat + (static_cast<int64_t>(tt) * p.heads + h) * p.R;
+#pragma unroll
+      for (int j = 0; j < NTW; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int n = n0 + j * 8 + 2 * q + e;
+          if (n < N) dst[n] = acc[j][2 * half + e];
+        }
+    } else {
+      const TokenLora lo = ua ? token_lora(p, t0 + tt) : TokenLora{};
+      const float* u = lo.rank ? ua + (static_cast<int64_t>(tt) * p.heads + h) * p.lora_rank_stride : nullptr;
+      bf16* dst = p.out + static_cast<int64_t>(t0 + tt) * p.ld_out + static_cast<int64_t>(h) * p.v_dim;
+      const int F = p.nope + p.v_dim;
+#pragma unroll
+      for (int j = 0; j < NTW; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int n = n0 + j * 8 + 2 * q + e;
+          if (n >= N) continue;
+          float v = acc[j][2 * half + e];
+          if (u) {  // B_UV_h row n: kv_b LoRA B row h * F + nope + n
+            const bf16* b = lo.b + (static_cast<int64_t>(h) * F + p.nope + n) * lo.rank;
+            float s = 0.0f;
+            for (int k = 0; k < lo.rank; ++k) s += bf(b[k]) * u[k];
+            v += s;
+          }
+          dst[n] = __float2bfloat16_rn(v);
+        }
     }
   }
 }
 
 // ---- 2. qc += A^T (B_UK_h^T q_nope_h) for the token's adapter: u = B_UK_h^T q_nope_h per head
-// (rank values), then A^T u with each row of A read once for the block's heads.
+// (rank values; a warp per (head, rank) pair, its lanes over nope), then A^T u with each row of A
+// read once for the block's heads.
 __global__ void __launch_bounds__(kLoraThreads) lora_query_kernel(MlaAbsorbedParams p, int t0, float* lat) {
   __shared__ float u[kLoraHeads][kLoraMaxRank];
+  pdl_wait();
+  pdl_trigger();
   const int tl = blockIdx.x, t = t0 + tl;
   const TokenLora lo = token_lora(p, t);
   if (lo.rank == 0) return;
   const int r = lo.rank, h0 = blockIdx.y * kLoraHeads, nh = min(kLoraHeads, p.heads - h0);
   const int F = p.nope + p.v_dim, qh = p.nope + p.rope;
-  for (int idx = threadIdx.x; idx < nh * r; idx += kLoraThreads) {
-    const int hc = idx / r, k = idx % r, h = h0 + hc;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int pair = warp; pair < nh * r; pair += kLoraThreads / 32) {
+    const int hc = pair / r, k = pair % r, h = h0 + hc;
     const bf16* qn = p.q + static_cast<int64_t>(t) * p.ld_q + static_cast<int64_t>(h) * qh;
     const bf16* bcol = lo.b + static_cast<int64_t>(h) * F * r + k;  // B row h*F + d, column k
     float s = 0.0f;
-    for (int d = 0; d < p.nope; ++d) s += bf(qn[d]) * bf(bcol[static_cast<int64_t>(d) * r]);
-    u[hc][k] = s;
+    for (int d = lane; d < p.nope; d += 32) s += bf(qn[d]) * bf(bcol[static_cast<int64_t>(d) * r]);
+    s = warp_sum(s);
+    if (lane == 0) u[hc][k] = s;
   }
   __syncthreads();
   for (int i = threadIdx.x; i < p.R; i += kLoraThreads) {
@@ -179,148 +254,271 @@ __global__ void __launch_bounds__(kLoraThreads) lora_query_kernel(MlaAbsorbedPar
   }
 }
 
-// ---- 3. Latent attention.
-// Butterfly reduce-scatter of 32 per-lane partial sums: afterwards v[0] of lane L holds the sum over
-// all lanes of the partials for row L (at step OFF a lane keeps the half of rows selected by its
-// bit OFF and adds its partner's partials for that half): 31 shuffles for 32 sums instead of 160.
-template <int OFF>
-__device__ __forceinline__ void reduce_scatter_step(float (&v)[kTile], int lane) {
-  const bool upper = (lane & OFF) != 0;
-#pragma unroll
-  for (int i = 0; i < OFF; ++i) {
-    const float send = upper ? v[i] : v[i + OFF];
-    const float keep = upper ? v[i + OFF] : v[i];
-    v[i] = keep + __shfl_xor_sync(kFull, send, OFF);
-  }
+// ---- 3. Latent attention on tensor cores.
+// Shared memory: the block's query Q [heads of the block][cols] (qc rounded to bf16, then q_pe,
+// zeros past R + rope and for heads past the model's), `stages` tiles of kTile cache rows
+// [kTile][cols] (zeros past the row's R + rope values and for rows past the split), then the warp
+// pairs' exchange area. cols is a multiple of 64 values, so a row is whole groups of eight 16-byte
+// chunks, and chunk c of row r is stored at c ^ (r % 8): the 32-bit fragment loads of 8 rows and
+// ldmatrix's 8 row addresses then fall in distinct banks without padding (which would not fit
+// DeepSeek-V3's query, two tiles and the exchange area in 227 KiB).
+struct LatentShape {
+  int cols;        // MMA width of a row: R + rope and 2 * half_cols, rounded up to 64
+  int half_cols;   // O columns per warp of a pair: ceil(R / 2) rounded to 16
+  int row_groups;  // 16-head groups per block (warps = 2 x row_groups)
+  int stages;      // tiles in flight (2 where they fit beside the query, else 1)
+};
+
+// Per row group: the pair's row maxima and softmax sums (2 warps x 16 rows) and P as A fragments
+// (2 warps x 2 k-steps x 32 lanes x 4 words).
+struct PairExchange {
+  float max[2][16];
+  float sum[2][16];
+  uint4 p[2][2][32];
+};
+constexpr int kExchangeBytes = kMaxRowGroups * static_cast<int>(sizeof(PairExchange));
+
+__host__ __device__ inline LatentShape latent_shape(int heads, int R, int rope, int max_smem) {
+  LatentShape s;
+  s.half_cols = ((R + 1) / 2 + 15) / 16 * 16;
+  s.cols = (max(R + rope, 2 * s.half_cols) + 63) / 64 * 64;
+  s.row_groups = min(kMaxRowGroups, (heads + 15) / 16);
+  const int q_bytes = 16 * s.row_groups * s.cols * 2, tile_bytes = kTile * s.cols * 2;
+  s.stages = q_bytes + 2 * tile_bytes + kExchangeBytes <= max_smem ? 2 : 1;
+  return s;
+}
+__host__ __device__ inline int latent_smem_bytes(const LatentShape& s) {
+  return (16 * s.row_groups + s.stages * kTile) * s.cols * 2 + kExchangeBytes;
 }
 
-// Stages cache rows [p0, p0 + cnt) of the sequence as bf16 pairs, rows padded with zeros to
-// row_words words and rows >= cnt all zeros (so no stale or unwritten value is ever multiplied).
-__device__ __forceinline__ void load_tile(const MlaAbsorbedParams& p, const int32_t* pages, int p0, int cnt,
-                                          int width, int row_words, uint32_t* tile) {
-  const bf16* cache = p.cache;
-  if (width % 8 == 0) {  // rows start 16-byte aligned: 8 values per load
-    const int chunks = row_words / 4;
-    for (int idx = threadIdx.x; idx < kTile * chunks; idx += kAttnThreads) {
+// Element offset of (row, column) in a swizzled [rows][cols] area.
+__device__ __forceinline__ int swz(int row, int col, int cols) {
+  return row * cols + (((col >> 3) ^ (row & 7)) << 3) + (col & 7);
+}
+
+// Copies cache rows [p0, p0 + cnt) of the token's sequence into a tile (cp.async where rows are
+// 16-byte aligned; the caller commits), zeros elsewhere.
+__device__ __forceinline__ void stage_tile(const MlaAbsorbedParams& p, const int32_t* pages, int p0, int cnt,
+                                           const LatentShape& s, bf16* tile) {
+  const int width = p.R + p.rope;
+  if (width % 8 == 0) {
+    const int chunks = s.cols / 8;
+    for (int idx = threadIdx.x; idx < kTile * chunks; idx += blockDim.x) {
       const int r = idx / chunks, c = idx % chunks;
-      uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      if (r < cnt && c * 8 < width) v = ldg_u4(cache + paged_cache_row(pages, p.page_size, p0 + r) * width + c * 8);
-      reinterpret_cast<uint4*>(tile + static_cast<int64_t>(r) * row_words)[c] = v;
+      const bool ok = r < cnt && c * 8 < width;
+      const bf16* src = ok ? p.cache + paged_cache_row(pages, p.page_size, p0 + r) * width + c * 8 : p.cache;
+      cp_async<16>(tile + swz(r, 8 * c, s.cols), src, ok);
     }
   } else {
-    uint16_t* t16 = reinterpret_cast<uint16_t*>(tile);
-    const int elems = 2 * row_words;
-    for (int idx = threadIdx.x; idx < kTile * elems; idx += kAttnThreads) {
-      const int r = idx / elems, e = idx % elems;
-      uint16_t v = 0;
-      if (r < cnt && e < width)
-        v = __bfloat16_as_ushort(cache[paged_cache_row(pages, p.page_size, p0 + r) * width + e]);
-      t16[idx] = v;
+    for (int idx = threadIdx.x; idx < kTile * s.cols; idx += blockDim.x) {
+      const int r = idx / s.cols, c = idx % s.cols;
+      tile[swz(r, c, s.cols)] =
+          r < cnt && c < width ? p.cache[paged_cache_row(pages, p.page_size, p0 + r) * width + c] : bf16(0.0f);
     }
   }
 }
 
-// Block (token, group of 8 heads, split); lane l of head h's warp owns the bf16 pairs l + 32k of
-// the (qc, q_pe) / (c, k_pe) rows for the scores, and of c for the output.
-__global__ void __launch_bounds__(kAttnThreads) latent_attention_kernel(MlaAbsorbedParams p, int t0, int splits,
-                                                                          int split_positions, float* lat,
-                                                                          float* part_o, float* part_stats) {
-  extern __shared__ __align__(16) uint32_t tile[];
+__device__ __forceinline__ void pair_sync(int rg) {  // the two warps of row group rg
+  asm volatile("bar.sync %0, 64;\n" ::"r"(1 + rg) : "memory");
+}
+
+// Block (token, group of 16 x row_groups heads, split). Warp w: heads 16 (w / 2) .. + 15 of the
+// block; it computes S for positions [32 (w % 2), + 32) of each tile and O for columns
+// [(w % 2) half_cols, + half_cols), exchanging row maxima and P with its pair (the other w % 2).
+__global__ void __launch_bounds__(64 * kMaxRowGroups, 1)
+    latent_attention_kernel(MlaAbsorbedParams p, LatentShape sh, int t0, int splits, int split_positions, float* lat,
+                            float* part_o, float* part_stats) {
+  extern __shared__ __align__(16) bf16 smem[];
+  pdl_wait();
+  pdl_trigger();
   const int tl = blockIdx.x, t = t0 + tl;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int h = blockIdx.y * kAttnWarps + warp;
-  const bool active = h < p.heads;  // warp-uniform; idle warps still help stage tiles
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int rg = warp / 2, ch = warp % 2;
+  const int hb = 16 * sh.row_groups, h_block = blockIdx.y * hb;
   const int n = p.positions[t] + 1;
   const int begin = blockIdx.z * split_positions, end = min(n, begin + split_positions);
   if (begin >= end) return;  // the whole block: this split lies past the token's context
-  const int width = p.R + p.rope;
-  const int words = (width + 63) / 64;  // pairs per lane per row
-  const int row_words = 32 * words;
-  const int out_words = (p.R + 63) / 64;  // pairs per lane of c
   const int32_t* pages = seq_pages(p, t);
+  bf16* Qs = smem;
+  bf16* tiles = smem + hb * sh.cols;
+  PairExchange& xc = reinterpret_cast<PairExchange*>(tiles + sh.stages * kTile * sh.cols)[rg];
+  const int ntiles = (end - begin + kTile - 1) / kTile;
 
-  // The query, pre-scaled by scale * log2(e) so that exp2 of a score difference is the softmax's exp.
-  float qa[kMaxWords], qb[kMaxWords];
-  {
-    const float qs = p.scale * kLog2e;
-    const float* qc = lat + (static_cast<int64_t>(tl) * p.heads + h) * p.R;
-    const bf16* qpe = p.q + static_cast<int64_t>(t) * p.ld_q + static_cast<int64_t>(h) * (p.nope + p.rope) + p.nope;
-    auto q_at = [&](int e) { return e < p.R ? qc[e] : e < width ? bf(qpe[e - p.R]) : 0.0f; };
-#pragma unroll
-    for (int k = 0; k < kMaxWords; ++k) {
-      const int e = 2 * (lane + 32 * k);
-      qa[k] = active && k < words ? q_at(e) * qs : 0.0f;
-      qb[k] = active && k < words ? q_at(e + 1) * qs : 0.0f;
+  stage_tile(p, pages, begin, min(kTile, end - begin), sh, tiles);
+  cp_async_commit();
+  // The query: qc (float32 scratch) rounded to bf16, q_pe as it is, zeros past R + rope and for
+  // heads the model does not have.
+  for (int idx = threadIdx.x; idx < hb * sh.cols; idx += blockDim.x) {
+    const int hl = idx / sh.cols, c = idx % sh.cols, h = h_block + hl;
+    float v = 0.0f;
+    if (h < p.heads) {
+      if (c < p.R)
+        v = lat[(static_cast<int64_t>(tl) * p.heads + h) * p.R + c];
+      else if (c < p.R + p.rope)
+        v = bf(p.q[static_cast<int64_t>(t) * p.ld_q + static_cast<int64_t>(h) * (p.nope + p.rope) + p.nope + c - p.R]);
     }
+    Qs[swz(hl, c, sh.cols)] = __float2bfloat16_rn(v);
   }
-  float m = -INFINITY, l = 0.0f;
-  float oa[kMaxWords], ob[kMaxWords];
-#pragma unroll
-  for (int k = 0; k < kMaxWords; ++k) oa[k] = ob[k] = 0.0f;
 
-  for (int p0 = begin; p0 < end; p0 += kTile) {
-    const int cnt = min(kTile, end - p0);
-    __syncthreads();  // the previous tile is consumed
-    load_tile(p, pages, p0, cnt, width, row_words, tile);
-    __syncthreads();
-    if (!active) continue;
-    float part[kTile];
+  const float qs = p.scale * kLog2e;  // scores in the exp2 domain
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  float o[kMaxHalfTiles][4];
 #pragma unroll
-    for (int j = 0; j < kTile; ++j) {
-      const uint32_t* row = tile + j * row_words + lane;
-      float acc = 0.0f;
-#pragma unroll
-      for (int k = 0; k < kMaxWords; ++k)
-        if (k < words) {
-          const uint32_t w = row[32 * k];
-          acc += qa[k] * bf16_bits_lo(w) + qb[k] * bf16_bits_hi(w);
-        }
-      part[j] = acc;
+  for (int j = 0; j < kMaxHalfTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  const int rw = sh.cols / 2;  // words per row
+  // Rows 16 rg + g (+ 8) of Q and 32 ch + 8 j + g of a tile are all g mod 8: one swizzle per lane.
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(Qs) + (16 * rg + g) * rw + q;
+  const int half_tiles = sh.half_cols / 8;
+  // ldmatrix.trans row of this lane for P V: matrix L / 8 of a 16 x 16 block is (positions
+  // 8 (L / 8 % 2) .., columns 8 (L / 16) ..), its row L % 8 (so its row mod 8 is lane % 8).
+  const int v_row = (lane / 8 % 2) * 8 + lane % 8, v_chunk = ch * sh.half_cols / 8 + lane / 16;
+
+  for (int i = 0; i < ntiles; ++i) {
+    const int p0 = begin + i * kTile, cnt = min(kTile, end - p0);
+    if (sh.stages == 2) {
+      if (i + 1 < ntiles)
+        stage_tile(p, pages, p0 + kTile, min(kTile, end - p0 - kTile), sh, tiles + ((i + 1) % 2) * kTile * sh.cols);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
     }
-    reduce_scatter_step<16>(part, lane);
-    reduce_scatter_step<8>(part, lane);
-    reduce_scatter_step<4>(part, lane);
-    reduce_scatter_step<2>(part, lane);
-    reduce_scatter_step<1>(part, lane);
-    const float s = lane < cnt ? part[0] : -INFINITY;  // lane j: the score of row p0 + j
-    const float m_new = fmaxf(m, warp_max(s));       // finite: the tile has a row
-    const float alpha = exp2f(m - m_new);            // 0 on the first tile (m = -inf)
-    const float pj = lane < cnt ? exp2f(s - m_new) : 0.0f;
-    l = l * alpha + warp_sum(pj);
+    __syncthreads();  // the tile (and, the first time, the query) is in shared memory
+    const bf16* tile = tiles + (sh.stages == 2 ? i % 2 : 0) * kTile * sh.cols;
+    const uint32_t* k32 = reinterpret_cast<const uint32_t*>(tile) + (32 * ch + g) * rw + q;
+
+    // S = Q K^T: 16 heads x this warp's 32 positions.
+    float s[4][4];
 #pragma unroll
-    for (int k = 0; k < kMaxWords; ++k) oa[k] *= alpha, ob[k] *= alpha;
-    for (int j = 0; j < cnt; ++j) {
-      const float w = __shfl_sync(kFull, pj, j);
-      const uint32_t* row = tile + j * row_words + lane;
+    for (int j = 0; j < 4; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll 2
+    for (int ks = 0; ks < sh.cols / 16; ++ks) {
+      const int c0 = ((2 * ks) ^ g) * 4, c1 = ((2 * ks + 1) ^ g) * 4;  // swizzled words of chunks 2ks, 2ks+1
+      uint32_t a[4];
+      a[0] = q32[c0];
+      a[1] = q32[c0 + 8 * rw];
+      a[2] = q32[c1];
+      a[3] = q32[c1 + 8 * rw];
 #pragma unroll
-      for (int k = 0; k < kMaxWords; ++k)
-        if (k < out_words) {
-          const uint32_t x = row[32 * k];
-          oa[k] += w * bf16_bits_lo(x);
-          ob[k] += w * bf16_bits_hi(x);
-        }
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t* b = k32 + j * 8 * rw;
+        mma_bf16_16816(s[j], a, b[c0], b[c1]);
+      }
     }
-    m = m_new;
-  }
-  if (!active) return;
-  // One split: the normalised output replaces qc (only this warp ever reads these qc values).
-  // Several: the unnormalised partial and its (max, sum) for merge_splits.
-  float* dst;
-  float norm = 1.0f;
-  const int64_t row = static_cast<int64_t>(tl) * p.heads + h;
-  if (splits == 1) {
-    dst = lat + row * p.R;
-    norm = 1.0f / l;
-  } else {
-    const int64_t ps = row * splits + blockIdx.z;
-    dst = part_o + ps * p.R;
-    if (lane == 0) part_stats[2 * ps] = m, part_stats[2 * ps + 1] = l;
-  }
+    // Online softmax of rows g (s[.][0..1]) and g + 8 (s[.][2..3]); positions past the split
+    // masked; the row maxima over both halves of the tile through the exchange area.
+    float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-  for (int k = 0; k < kMaxWords; ++k) {
-    const int e = 2 * (lane + 32 * k);
-    if (k < out_words && e < p.R) dst[e] = oa[k] * norm;
-    if (k < out_words && e + 1 < p.R) dst[e + 1] = ob[k] * norm;
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 32 * ch + j * 8 + 2 * q + (e & 1);
+        s[j][e] = col < cnt ? s[j][e] * qs : -INFINITY;
+        mx[e / 2] = fmaxf(mx[e / 2], s[j][e]);
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    }
+    if (q == 0) xc.max[ch][g] = mx[0], xc.max[ch][g + 8] = mx[1];
+    pair_sync(rg);
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float mn = fmaxf(m[r], fmaxf(mx[r], xc.max[1 - ch][g + 8 * r]));  // finite: position p0 is inside
+      alpha[r] = exp2f(m[r] - mn);  // 0 on the first tile
+      m[r] = mn;
+      l[r] *= alpha[r];
+    }
+    uint32_t pa[4][4];  // P as the A operand of the tile's 4 k-steps of 16 positions
+    {
+      uint32_t mine[2][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] = exp2f(s[j][e] - m[e / 2]);
+          l[e / 2] += s[j][e];
+        }
+        mine[j / 2][(j % 2) * 2] = pack_bf16x2(s[j][0], s[j][1]);
+        mine[j / 2][(j % 2) * 2 + 1] = pack_bf16x2(s[j][2], s[j][3]);
+      }
+#pragma unroll
+      for (int kl = 0; kl < 2; ++kl) xc.p[ch][kl][lane] = make_uint4(mine[kl][0], mine[kl][1], mine[kl][2], mine[kl][3]);
+      pair_sync(rg);
+#pragma unroll
+      for (int kl = 0; kl < 2; ++kl) {
+        const uint4 other = xc.p[1 - ch][kl][lane];
+        const uint32_t oth[4] = {other.x, other.y, other.z, other.w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          pa[kl][w] = ch == 0 ? mine[kl][w] : oth[w];  // k-steps 0, 1: positions 0..31 (warp 0 of the pair)
+          pa[2 + kl][w] = ch == 0 ? oth[w] : mine[kl][w];
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kMaxHalfTiles; ++j) {
+      o[j][0] *= alpha[0], o[j][1] *= alpha[0];
+      o[j][2] *= alpha[1], o[j][3] *= alpha[1];
+    }
+    // O += P V over this warp's columns.
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk) {
+      const int row = kk * 16 + v_row;
+      const bf16* vrow = tile + row * sh.cols;
+#pragma unroll
+      for (int j2 = 0; j2 < kMaxHalfTiles / 2; ++j2) {
+        if (2 * j2 >= half_tiles) break;
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, smem_addr(vrow + (((v_chunk + 2 * j2) ^ (lane & 7)) << 3)));
+        mma_bf16_16816(o[2 * j2], pa[kk], b[0], b[1]);
+        mma_bf16_16816(o[2 * j2 + 1], pa[kk], b[2], b[3]);
+      }
+    }
+    __syncthreads();  // every warp is done with the tile and the exchange area before they are refilled
+    if (sh.stages == 1 && i + 1 < ntiles) {
+      stage_tile(p, pages, p0 + kTile, min(kTile, end - p0 - kTile), sh, tiles);
+      cp_async_commit();
+    }
+  }
+  // Row sums: this warp's positions, then its pair's (both scaled by the same maxima).
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+  if (q == 0) xc.sum[ch][g] = l[0], xc.sum[ch][g + 8] = l[1];
+  pair_sync(rg);
+  l[0] += xc.sum[1 - ch][g];
+  l[1] += xc.sum[1 - ch][g + 8];
+  // One split: the normalised output replaces qc (only this block ever reads these qc rows, and
+  // it staged them before its first tile). Several: the unnormalised partial and its (max, sum).
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int h = h_block + 16 * rg + g + 8 * r;
+    if (h >= p.heads) continue;
+    const int64_t row = static_cast<int64_t>(tl) * p.heads + h;
+    float* dst;
+    float norm = 1.0f;
+    if (splits == 1) {
+      dst = lat + row * p.R;
+      norm = 1.0f / l[r];
+    } else {
+      const int64_t ps = row * splits + blockIdx.z;
+      dst = part_o + ps * p.R;
+      if (ch == 0 && q == 0) part_stats[2 * ps] = m[r], part_stats[2 * ps + 1] = l[r];
+    }
+#pragma unroll
+    for (int j = 0; j < kMaxHalfTiles; ++j) {
+      if (j >= half_tiles) break;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = ch * sh.half_cols + j * 8 + 2 * q + e;
+        if (col < p.R) dst[col] = o[j][2 * r + e] * norm;
+      }
+    }
   }
 }
 
@@ -330,6 +528,8 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(MlaAbsorbedParams p, 
                                                              int split_positions, float* lat, const float* part_o,
                                                              const float* part_stats) {
   __shared__ float weight[kMlaMaxSplits];
+  pdl_wait();
+  pdl_trigger();
   const int64_t row = blockIdx.x;  // token-in-pass * heads + head
   const int t = t0 + static_cast<int>(row / p.heads);
   const int used = min(splits, (p.positions[t] + split_positions) / split_positions);
@@ -355,6 +555,8 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(MlaAbsorbedParams p, 
 __global__ void __launch_bounds__(kLoraThreads) lora_output_shrink_kernel(MlaAbsorbedParams p, int t0,
                                                                             const float* lat, float* ua) {
   extern __shared__ float o[];  // [kLoraHeads][R]
+  pdl_wait();
+  pdl_trigger();
   const int tl = blockIdx.x, t = t0 + tl;
   const TokenLora lo = token_lora(p, t);
   if (lo.rank == 0) return;
@@ -382,56 +584,6 @@ __global__ void __launch_bounds__(kLoraThreads) lora_output_shrink_kernel(MlaAbs
   }
 }
 
-// ---- 6. out_h = W_UV_h o_h + B_UV_h u_h, rounded once to bf16.
-__global__ void __launch_bounds__(kAbsorbThreads) output_absorb_kernel(MlaAbsorbedParams p, int t0, int tc,
-                                                                         const float* lat, const float* ua) {
-  __shared__ __align__(16) float stage[kStageDepth][kStagePitch];
-  __shared__ const bf16* lora_b[kAbsorbTokens];
-  __shared__ int lora_r[kAbsorbTokens];
-  const int h = blockIdx.x, tt0 = blockIdx.y * kAbsorbTokens, nt = min(kAbsorbTokens, tc - tt0);
-  const int tid = threadIdx.x, F = p.nope + p.v_dim;
-  if (tid < kAbsorbTokens) {
-    TokenLora lo;
-    if (ua != nullptr && tid < nt) lo = token_lora(p, t0 + tt0 + tid);
-    lora_b[tid] = lo.b;
-    lora_r[tid] = lo.rank;
-  }
-  const float* src = lat + (static_cast<int64_t>(tt0) * p.heads + h) * p.R;
-  for (int e0 = 0; e0 < p.v_dim; e0 += kAbsorbThreads) {
-    const int e = e0 + tid;
-    float acc[kAbsorbTokens];
-#pragma unroll
-    for (int tt = 0; tt < kAbsorbTokens; ++tt) acc[tt] = 0.0f;
-    for (int i0 = 0; i0 < p.R; i0 += kStageDepth) {
-      const int ni = min(kStageDepth, p.R - i0);
-      __syncthreads();
-      for (int idx = tid; idx < kStageDepth * kAbsorbTokens; idx += kAbsorbThreads) {
-        const int tt = idx / kStageDepth, ii = idx % kStageDepth;
-        stage[ii][tt] = tt < nt && ii < ni ? src[static_cast<int64_t>(tt) * p.heads * p.R + i0 + ii] : 0.0f;
-      }
-      __syncthreads();
-      if (e < p.v_dim) fma_staged(stage, p.w_uv_t + (static_cast<int64_t>(h) * p.R + i0) * p.v_dim + e, p.v_dim, ni, acc);
-    }
-    if (e < p.v_dim) {
-      const int64_t brow = static_cast<int64_t>(h) * F + p.nope + e;  // B_UV_h row e
-#pragma unroll
-      for (int tt = 0; tt < kAbsorbTokens; ++tt) {
-        if (tt >= nt) continue;
-        const int r = lora_r[tt];
-        if (r > 0) {
-          const bf16* b = lora_b[tt] + brow * r;
-          const float* u = ua + (static_cast<int64_t>(tt0 + tt) * p.heads + h) * p.lora_rank_stride;
-          float s = 0.0f;
-          for (int k = 0; k < r; ++k) s += bf(b[k]) * u[k];
-          acc[tt] += s;
-        }
-        p.out[static_cast<int64_t>(t0 + tt0 + tt) * p.ld_out + static_cast<int64_t>(h) * p.v_dim + e] =
-            __float2bfloat16_rn(acc[tt]);
-      }
-    }
-  }
-}
-
 // ---- kv_b -> the kernels' bf16 layouts.
 __global__ void prepare_weights_kernel(MlaWeightPrep p) {
   const int F = p.nope + p.v_dim;
@@ -451,10 +603,49 @@ __global__ void prepare_weights_kernel(MlaWeightPrep p) {
     }
     const int h = row / F, d = row % F;
     if (d < p.nope)
-      p.w_uk[(static_cast<int64_t>(h) * p.nope + d) * p.R + col] = __float2bfloat16_rn(w);
+      p.w_uk_t[(static_cast<int64_t>(h) * p.R + col) * p.nope + d] = __float2bfloat16_rn(w);
     else
-      p.w_uv_t[(static_cast<int64_t>(h) * p.R + col) * p.v_dim + (d - p.nope)] = __float2bfloat16_rn(w);
+      p.w_uv[(static_cast<int64_t>(h) * p.v_dim + (d - p.nope)) * p.R + col] = __float2bfloat16_rn(w);
   }
+}
+
+int max_dynamic_smem() {
+  static const int bytes = [] {
+    int dev = 0, v = 0;
+    MOELORA_CUDA_CHECK(cudaGetDevice(&dev));
+    MOELORA_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    return v;
+  }();
+  return bytes;
+}
+
+template <bool kOutput, int NTW>
+constexpr size_t absorb_smem_bytes() {
+  return sizeof(bf16) * (kAbsorbRows + 8 * NTW) * kAbsorbPitch;
+}
+
+template <bool kOutput, int NTW>
+void launch_absorb(const MlaAbsorbedParams& p, int t0, int tc, float* lat, const float* ua, cudaStream_t stream) {
+  const int N = kOutput ? p.v_dim : p.R;
+  const dim3 grid(p.heads, ceil_div(N, 8 * NTW), ceil_div(tc, kAbsorbRows));
+  launch_pdl(absorb_kernel<kOutput, NTW>, grid, dim3(kAbsorbThreads), absorb_smem_bytes<kOutput, NTW>(), stream, p, t0,
+             tc, lat, ua);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+template <bool kOutput, int NTW>
+void absorb_prepare() {
+  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(absorb_kernel<kOutput, NTW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(absorb_smem_bytes<kOutput, NTW>())));
+}
+
+template <bool kOutput>
+void launch_absorb_cols(const MlaAbsorbedParams& p, int cols, int t0, int tc, float* lat, const float* ua,
+                        cudaStream_t stream) {
+  if (cols == 32)
+    launch_absorb<kOutput, 4>(p, t0, tc, lat, ua, stream);
+  else
+    launch_absorb<kOutput, 16>(p, t0, tc, lat, ua, stream);
 }
 
 }  // namespace
@@ -465,15 +656,20 @@ void launch_mla_absorbed(const MlaAbsorbedParams& p, const cuda_plan::MlaPlan& p
                         p.page_size >= 1,
                     "absorbed MLA: T {}, heads {}, nope {}, rope {}, v {}, R {}, page size {}", p.T, p.heads, p.nope,
                     p.rope, p.v_dim, p.R, p.page_size);
-  MOELORA_CHECK_MSG(p.R + p.rope <= kMlaMaxLatentWidth,
-                    "absorbed MLA: cache rows of {} + {} values, the kernels take at most {}", p.R, p.rope,
-                    kMlaMaxLatentWidth);
+  MOELORA_CHECK_MSG(p.R <= kMlaMaxLatent && p.R + p.rope <= kMlaMaxLatentWidth,
+                    "absorbed MLA: cache rows of {} + {} values, the kernels take a latent of at most {} and rows of "
+                    "at most {}",
+                    p.R, p.rope, kMlaMaxLatent, kMlaMaxLatentWidth);
   MOELORA_CHECK_MSG(p.lora_a == nullptr || (p.lora_rank_stride >= 1 && p.lora_rank_stride <= kLoraMaxRank),
                     "absorbed MLA: LoRA rank stride {} outside 1..{}", p.lora_rank_stride, kLoraMaxRank);
   MOELORA_CHECK_MSG(plan.splits >= 1 && plan.splits <= kMlaMaxSplits && plan.split_positions % kTile == 0 &&
-                        plan.chunk_tokens >= 1 && scratch_bytes >= plan.scratch_bytes(),
-                    "absorbed MLA plan: {} splits of {} positions, {} tokens per pass, {} of {} scratch bytes",
-                    plan.splits, plan.split_positions, plan.chunk_tokens, scratch_bytes, plan.scratch_bytes());
+                        plan.chunk_tokens >= 1 && scratch_bytes >= plan.scratch_bytes() &&
+                        (plan.query_cols == 32 || plan.query_cols == 128) &&
+                        (plan.output_cols == 32 || plan.output_cols == 128),
+                    "absorbed MLA plan: {} splits of {} positions, {} tokens per pass, {} of {} scratch bytes, "
+                    "absorption columns {} / {}",
+                    plan.splits, plan.split_positions, plan.chunk_tokens, scratch_bytes, plan.scratch_bytes(),
+                    plan.query_cols, plan.output_cols);
   if (p.T == 0) return;
   char* base = static_cast<char*>(scratch);
   float* lat = reinterpret_cast<float*>(base);
@@ -481,34 +677,49 @@ void launch_mla_absorbed(const MlaAbsorbedParams& p, const cuda_plan::MlaPlan& p
   float* part_stats = reinterpret_cast<float*>(base + plan.latent_bytes + plan.partial_bytes);
   float* ua = p.lora_a ? reinterpret_cast<float*>(base + plan.latent_bytes + plan.partial_bytes + plan.stats_bytes)
                        : nullptr;
-  const int head_groups = ceil_div(p.heads, kAttnWarps);
+  const LatentShape sh = latent_shape(p.heads, p.R, p.rope, max_dynamic_smem());
+  const int attn_smem = latent_smem_bytes(sh);
+  MOELORA_CHECK_MSG(attn_smem <= max_dynamic_smem(), "absorbed MLA: {} bytes of shared memory, the GPU has {}",
+                    attn_smem, max_dynamic_smem());
+  const int head_groups = ceil_div(p.heads, 16 * sh.row_groups);
+  MOELORA_CHECK_MSG(head_groups == ceil_div(p.heads, cuda_plan::mla_heads_per_block(p.heads)),
+                    "absorbed MLA: the plan's head groups differ from the kernel's");
   const int lora_groups = ceil_div(p.heads, kLoraHeads);
-  const size_t tile_bytes = sizeof(uint32_t) * kTile * 32 * ((p.R + p.rope + 63) / 64);
   for (int t0 = 0; t0 < p.T; t0 += plan.chunk_tokens) {
     const int tc = std::min(plan.chunk_tokens, p.T - t0);
-    const int tiles = ceil_div(tc, kAbsorbTokens);
-    query_absorb_kernel<<<dim3(p.heads, tiles), kAbsorbThreads, 0, stream>>>(p, t0, tc, lat);
-    MOELORA_CUDA_CHECK_LAUNCH();
+    launch_absorb_cols<false>(p, plan.query_cols, t0, tc, lat, nullptr, stream);
     if (ua) {
-      lora_query_kernel<<<dim3(tc, lora_groups), kLoraThreads, 0, stream>>>(p, t0, lat);
+      launch_pdl(lora_query_kernel, dim3(tc, lora_groups), dim3(kLoraThreads), 0, stream, p, t0, lat);
       MOELORA_CUDA_CHECK_LAUNCH();
     }
-    latent_attention_kernel<<<dim3(tc, head_groups, plan.splits), kAttnThreads, tile_bytes, stream>>>(
-        p, t0, plan.splits, plan.split_positions, lat, part_o, part_stats);
+    launch_pdl(latent_attention_kernel, dim3(tc, head_groups, plan.splits), dim3(64 * sh.row_groups),
+               static_cast<size_t>(attn_smem), stream, p, sh, t0, plan.splits, plan.split_positions, lat, part_o,
+               part_stats);
     MOELORA_CUDA_CHECK_LAUNCH();
     if (plan.splits > 1) {
-      merge_splits_kernel<<<tc * p.heads, 128, 0, stream>>>(p, t0, plan.splits, plan.split_positions, lat, part_o,
-                                                             part_stats);
+      launch_pdl(merge_splits_kernel, dim3(tc * p.heads), dim3(128), 0, stream, p, t0, plan.splits,
+                 plan.split_positions, lat, static_cast<const float*>(part_o), static_cast<const float*>(part_stats));
       MOELORA_CUDA_CHECK_LAUNCH();
     }
     if (ua) {
-      lora_output_shrink_kernel<<<dim3(tc, lora_groups), kLoraThreads, sizeof(float) * kLoraHeads * p.R, stream>>>(
-          p, t0, lat, ua);
+      launch_pdl(lora_output_shrink_kernel, dim3(tc, lora_groups), dim3(kLoraThreads), sizeof(float) * kLoraHeads * p.R,
+                 stream, p, t0, static_cast<const float*>(lat), ua);
       MOELORA_CUDA_CHECK_LAUNCH();
     }
-    output_absorb_kernel<<<dim3(p.heads, tiles), kAbsorbThreads, 0, stream>>>(p, t0, tc, lat, ua);
-    MOELORA_CUDA_CHECK_LAUNCH();
+    launch_absorb_cols<true>(p, plan.output_cols, t0, tc, lat, ua, stream);
   }
+}
+
+void mla_prepare() {
+  static bool done = false;  // only the engine thread launches kernels; idempotent
+  if (done) return;
+  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(latent_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          max_dynamic_smem()));
+  absorb_prepare<false, 4>();
+  absorb_prepare<false, 16>();
+  absorb_prepare<true, 4>();
+  absorb_prepare<true, 16>();
+  done = true;
 }
 
 void launch_mla_prepare_weights(const MlaWeightPrep& p, cudaStream_t stream) {

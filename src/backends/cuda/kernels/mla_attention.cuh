@@ -6,18 +6,22 @@
 //   out_h = W_UV_h o_h + B_UV_h (A o_h)                                       [v_dim]
 // with A / B the token's kv_b LoRA factors (slot -1 or rank 0: none).
 //
-// Kernels, in launch order, per pass over at most plan.chunk_tokens tokens (cuda_plan::MlaPlan):
-//  1. query_absorb   (heads x 32-token tiles): qc = W_UK_h^T q_nope into float32 scratch; the
-//                    head-0 blocks also write each token's (c, k_pe) into its cache row.
+// Kernels, in launch order, per pass over at most plan.chunk_tokens tokens (cuda_plan::MlaPlan),
+// each launched with programmatic dependent launch:
+//  1. query_absorb   (heads x column chunks x 64-token chunks, bf16 tensor cores): qc = W_UK_h^T
+//                    q_nope into float32 scratch; the first blocks also write each token's (c, k_pe)
+//                    into its cache row.
 //  2. lora_query     (tokens x 8-head groups, only with kv_b LoRA): qc += A^T (B_UK_h^T q_nope).
-//  3. latent_attention (tokens x 8-head groups x KV splits): one warp per head walks the token's
-//                    positions in tiles of 32 cache rows staged in shared memory; online softmax
-//                    in the exp2 domain; o over qc in place (one split) or partial (m, l, o).
+//  3. latent_attention (tokens x head groups of up to 64 x KV splits, bf16 tensor cores): qc rounded
+//                    to bf16 as the query; S = Q K^T and O += P V over tiles of 64 cache rows in
+//                    shared memory; online softmax in the exp2 domain, P rounded to bf16; o in
+//                    float32 over qc in place (one split) or partial (m, l, o).
 //  4. merge_splits   (only with splits > 1): o = sum_s w_s o_s / sum_s w_s l_s over qc's scratch.
-//  5. lora_output_shrink (tokens x 8-head groups, only with kv_b LoRA): u = A o per head.
-//  6. output_absorb  (heads x 32-token tiles): out = W_UV_h o + B_UV_h u, rounded once to bf16.
-// Everything accumulates in float32 on CUDA cores; qc and o stay float32 between kernels (no
-// rounding the CPU reference does not make, except the bf16 copy of kv_b, MlaWeightPrep).
+//  5. lora_output_shrink (tokens x 8-head groups, only with kv_b LoRA): u = A o per head (float32 o).
+//  6. output_absorb  (heads x column chunks x 64-token chunks, bf16 tensor cores): out = W_UV_h o
+//                    (o rounded to bf16) + B_UV_h u, rounded once to bf16.
+// qc and o stay float32 between kernels; the tensor-core kernels round their operands to bf16 once
+// (qc and P in the attention, o in the output absorption; docs/numerics.md has the bound).
 // Launches allocate nothing and never synchronise (CUDA-graph safe): scratch comes from the caller.
 #pragma once
 
@@ -48,9 +52,10 @@ struct MlaAbsorbedParams {
   int v_dim = 0;
   int R = 0;  // kv_lora_rank
   float scale = 1.0f;
-  // kv_b in the kernels' layouts (MlaWeightPrep): W_UK [heads][nope][R], W_UV transposed [heads][R][v_dim].
-  const __nv_bfloat16* w_uk = nullptr;
-  const __nv_bfloat16* w_uv_t = nullptr;
+  // kv_b in the kernels' layouts (MlaWeightPrep), both [head][output column][reduction]:
+  // W_UK transposed [heads][R][nope] and W_UV [heads][v_dim][R].
+  const __nv_bfloat16* w_uk_t = nullptr;
+  const __nv_bfloat16* w_uv = nullptr;
   // kv_b's LoRA tables (LoraModuleTable on the device: A [rank, R], B [heads * (nope + v_dim), rank],
   // bf16 element pointers). lora_a == nullptr: no LoRA in this call.
   const int64_t* lora_a = nullptr;
@@ -73,10 +78,14 @@ struct MlaAbsorbedParams {
 void launch_mla_absorbed(const MlaAbsorbedParams& p, const cuda_plan::MlaPlan& plan, void* scratch,
                          size_t scratch_bytes, cudaStream_t stream);
 
+// Raises the kernels' shared-memory limits; once, before any capture (CudaBackend's constructor).
+void mla_prepare();
+
 // kv_b [heads * (nope + v_dim), R] (FP8 e4m3 with block scales, or bf16) -> the bf16 copies the
-// kernels read: W_UK rows as they are ([heads][nope][R], the query absorption reads them along R)
-// and W_UV transposed ([heads][R][v_dim], the output absorption reads them along v_dim). FP8 is
-// dequantised exactly in float32 (code x scale, as dequantize_fp8_block) and rounded once to bf16.
+// kernels read, each [head][output column][reduction] so that a tensor-core B fragment is two
+// 32-bit loads: W_UK transposed ([heads][R][nope]: qc's columns are R, the sum runs over nope)
+// and W_UV as kv_b holds it ([heads][v_dim][R]). FP8 is dequantised exactly in float32 (code x
+// scale, as dequantize_fp8_block) and rounded once to bf16.
 struct MlaWeightPrep {
   const void* w = nullptr;
   bool fp8 = false;
@@ -88,8 +97,8 @@ struct MlaWeightPrep {
   int nope = 0;
   int v_dim = 0;
   int R = 0;
-  __nv_bfloat16* w_uk = nullptr;    // [heads * nope * R]
-  __nv_bfloat16* w_uv_t = nullptr;  // [heads * R * v_dim]
+  __nv_bfloat16* w_uk_t = nullptr;  // [heads * R * nope]
+  __nv_bfloat16* w_uv = nullptr;    // [heads * v_dim * R]
 };
 void launch_mla_prepare_weights(const MlaWeightPrep& p, cudaStream_t stream);
 
