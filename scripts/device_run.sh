@@ -302,7 +302,7 @@ for stage in $stages; do
     echo "== op suite: MLA, elementwise (RoPE), head pass, attention"
     run_sharded 'Mla/*:SanitizeMla/*:Elt/*ROPE*:HeadPass/*:Attn/*decode*' mla_ops 200
     grep -h "FAILED\|Failure" $out/mla_ops_shard*.log | head -20
-    grep -h "^\[ MLA " $out/mla_ops_shard*.log | sort -k9 -g | tail -3
+    grep -h "^\[ MLA " $out/mla_ops_shard*.log | sort -k10 -g | tail -3
     run_sanitizers 'SanitizeMla/*' mla 90
     for mode in "" "--no-graphs" "--no-overlap"; do
       timeout 60 $bin verify --fixtures tests/fixtures/deepseekv3 --backend cuda $mode > $out/verify_deepseek${mode//-/_}.log 2>&1

@@ -17,9 +17,10 @@ int mla_heads_per_block(int heads) {
 }
 
 MlaPlan choose_mla_plan(const MlaProblem& p) {
-  MOELORA_CHECK_MSG(p.tokens >= 1 && p.heads >= 1 && p.latent >= 1 && p.max_positions >= 1 && p.lora_rank_stride >= 0,
-                    "absorbed MLA plan: {} tokens, {} heads, latent {}, {} positions, LoRA ranks {}", p.tokens,
-                    p.heads, p.latent, p.max_positions, p.lora_rank_stride);
+  MOELORA_CHECK_MSG(p.tokens >= 1 && p.heads >= 1 && p.latent >= 1 && p.v_dim >= 1 && p.max_positions >= 1 &&
+                        p.lora_rank_stride >= 0,
+                    "absorbed MLA plan: {} tokens, {} heads, latent {}, v {}, {} positions, LoRA ranks {}", p.tokens,
+                    p.heads, p.latent, p.v_dim, p.max_positions, p.lora_rank_stride);
   MlaPlan plan;
   const size_t per_token = sizeof(float) * static_cast<size_t>(p.heads) * (p.latent + p.lora_rank_stride);
   plan.chunk_tokens = static_cast<int>(std::clamp<size_t>(kMlaScratchBudget / per_token, 1, p.tokens));
@@ -40,14 +41,15 @@ MlaPlan choose_mla_plan(const MlaProblem& p) {
   plan.splits = static_cast<int>(ceil_div(p.max_positions, per_split));  // rounding may leave fewer
 
   // Absorption column chunks: wide where the wide grid still gives every SM two blocks, narrow
-  // (4x the blocks) where it would not. Not yet measured against each other (bench/RESULTS.md).
+  // (4x the blocks) where it would not. Not yet measured against each other; at 64 tokens the wide
+  // query absorption ran at 3 % of DRAM bandwidth (ncu, H100, bench/RESULTS.md): the first thing to try.
   const int64_t token_chunks = ceil_div(plan.chunk_tokens, kMlaAbsorbTokens);
   auto cols_for = [&](int n) {
     const int64_t wide_blocks = int64_t{p.heads} * ceil_div(n, 128) * token_chunks;
     return wide_blocks >= 2 * int64_t{std::max(1, p.num_sms)} ? 128 : 32;
   };
   plan.query_cols = cols_for(p.latent);
-  plan.output_cols = cols_for(p.v_dim > 0 ? p.v_dim : p.latent);
+  plan.output_cols = cols_for(p.v_dim);
 
   const size_t rows = static_cast<size_t>(plan.chunk_tokens) * p.heads;
   plan.latent_bytes = aligned256(rows * p.latent * sizeof(float));

@@ -22,8 +22,8 @@ inline constexpr int kMlaMaxHeadsPerBlock = 64;  // latent attention: 4 row grou
 inline constexpr int kMlaTilePositions = 64;     // latent attention: cache rows per shared-memory tile
 inline constexpr int kMlaAbsorbTokens = 64;      // absorptions: tokens per block (4 warps x 16 rows)
 // The latent attention keeps half of O's R columns per warp in registers (R / 2 / 8 MMA tiles of
-// 4 floats: 128 per lane at R = 512) and a cache row of R + rope values, rounded up to 16, in shared
-// memory beside the block's query. DeepSeek-V2/V3 and Kimi K2 use 512 + 64 = 576.
+// 4 floats: 128 per lane at R = 512) and a cache row of R + rope values, rounded up to 64 (whole
+// swizzle groups), in shared memory beside the block's query. DeepSeek-V2/V3 and Kimi K2 use 512 + 64 = 576.
 inline constexpr int kMlaMaxLatent = 512;
 inline constexpr int kMlaMaxLatentWidth = 768;
 inline constexpr int kMlaMaxSplits = 64;          // the merge keeps one weight per split in shared memory
@@ -37,7 +37,7 @@ struct MlaProblem {
   int tokens = 0;            // T of the call
   int heads = 0;             // query heads (the rank's)
   int latent = 0;            // kv_lora_rank R
-  int v_dim = 0;             // value head dim (the output absorption's columns); 0 = as R
+  int v_dim = 0;             // value head dim (the output absorption's columns)
   int lora_rank_stride = 0;  // ranks the LoRA scratch holds per (token, head); 0 = no kv_b LoRA
   int max_positions = 0;     // longest context a token attends to (a captured graph: its bound)
   int num_sms = 132;

@@ -173,7 +173,8 @@ __device__ __forceinline__ int64_t kv_cache_offset(const KvCacheWrite& c, int64_
 // the rest), loading all of them before it stores any. One thread walking every head with a load
 // after each store (the stores may alias later loads as far as the compiler knows) was a chain of
 // dependent global round trips: 15 us for DeepSeek-V3's 128 query heads at one token on the H200
-// (ncu, 2026-12-07); bench/RESULTS.md (sixteenth session) has the time of this form.
+// (ncu, 2026-12-07); this form: 11.8 us for both rotations of a DeepSeek-V3 layer at one token
+// (ncu, H100, 2026-12-07, bench/RESULTS.md), 61 us before (H200).
 constexpr int kRopeHeadsPerThread = 8;
 
 __global__ void rope_kernel(RopeParams p) {

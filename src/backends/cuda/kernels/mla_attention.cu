@@ -13,9 +13,10 @@
 //   warp) and 64 cached positions per shared-memory tile, then O += P V with V the tile's first R
 //   columns. A block takes one token, up to 64 heads and one KV split; its warps come in pairs that
 //   share 16 heads and each own half of O's R columns (128 float32 accumulators per lane at
-//   R = 512), so each warp of a pair computes the pair's S itself (the QK^T half of the MMAs is done
-//   twice; exchanging P through shared memory would save it: the next step). Tiles are
-//   double-buffered with cp.async where two fit beside the block's query.
+//   R = 512). Each warp of a pair computes S for half of the tile's positions and the pair exchanges
+//   row maxima and P through shared memory (0.5-2 % faster than both warps computing the whole S,
+//   H100, bench/RESULTS.md). Tiles are double-buffered with cp.async where two fit beside the
+//   block's query.
 // - The kv_b LoRA is grouped per token instead (all heads of a token share A), in two small kernels
 //   around the attention.
 // Every kernel waits for its predecessor first and then lets its dependents launch (launch_pdl).
@@ -125,6 +126,7 @@ __global__ void __launch_bounds__(kAbsorbThreads) absorb_kernel(MlaAbsorbedParam
 #pragma unroll
   for (int j = 0; j < NTW; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   const bool w_vec = K % 8 == 0;  // W rows start 16-byte aligned (its own allocation, K values per row)
+  const int arows = min(kAbsorbRows, (nt + 15) / 16 * 16);  // A rows staged: those of warps with a token
   for (int k0 = 0; k0 < K; k0 += kAbsorbK) {
     const int kn = min(kAbsorbK, K - k0), kp = (kn + 15) / 16 * 16;
     __syncthreads();  // the previous slice is consumed
@@ -144,7 +146,6 @@ __global__ void __launch_bounds__(kAbsorbThreads) absorb_kernel(MlaAbsorbedParam
       }
     }
     // A slice: the rows of the warps that have a token (zeros past the pass's tokens and K).
-    const int arows = min(kAbsorbRows, (nt + 15) / 16 * 16);
     for (int idx = tid; idx < arows * kp; idx += kAbsorbThreads) {
       const int r = idx / kp, c = idx % kp;
       float v = 0.0f;
@@ -278,16 +279,16 @@ struct PairExchange {
 };
 constexpr int kExchangeBytes = kMaxRowGroups * static_cast<int>(sizeof(PairExchange));
 
-__host__ __device__ inline LatentShape latent_shape(int heads, int R, int rope, int max_smem) {
+inline LatentShape latent_shape(int heads, int R, int rope, int max_smem) {
   LatentShape s;
   s.half_cols = ((R + 1) / 2 + 15) / 16 * 16;
   s.cols = (max(R + rope, 2 * s.half_cols) + 63) / 64 * 64;
-  s.row_groups = min(kMaxRowGroups, (heads + 15) / 16);
+  s.row_groups = cuda_plan::mla_heads_per_block(heads) / 16;  // the plan's head groups
   const int q_bytes = 16 * s.row_groups * s.cols * 2, tile_bytes = kTile * s.cols * 2;
   s.stages = q_bytes + 2 * tile_bytes + kExchangeBytes <= max_smem ? 2 : 1;
   return s;
 }
-__host__ __device__ inline int latent_smem_bytes(const LatentShape& s) {
+inline int latent_smem_bytes(const LatentShape& s) {
   return (16 * s.row_groups + s.stages * kTile) * s.cols * 2 + kExchangeBytes;
 }
 
@@ -682,8 +683,6 @@ void launch_mla_absorbed(const MlaAbsorbedParams& p, const cuda_plan::MlaPlan& p
   MOELORA_CHECK_MSG(attn_smem <= max_dynamic_smem(), "absorbed MLA: {} bytes of shared memory, the GPU has {}",
                     attn_smem, max_dynamic_smem());
   const int head_groups = ceil_div(p.heads, 16 * sh.row_groups);
-  MOELORA_CHECK_MSG(head_groups == ceil_div(p.heads, cuda_plan::mla_heads_per_block(p.heads)),
-                    "absorbed MLA: the plan's head groups differ from the kernel's");
   const int lora_groups = ceil_div(p.heads, kLoraHeads);
   for (int t0 = 0; t0 < p.T; t0 += plan.chunk_tokens) {
     const int tc = std::min(plan.chunk_tokens, p.T - t0);
