@@ -2,7 +2,7 @@
 # Here (no GPU): puts the CUDA build and the Debian shared libraries it links into the git-ignored
 # .device/, then packs them (xz) into the git-ignored .device-pack/device.tar.xz, which the device
 # tool carries to the H200 (carry [".device-pack"]; device_run.sh unpacks it): the binaries alone
-# are ~80 MB, over what one call may carry beside the ~43 MB checkout, packed ~16 MB. Arguments
+# are ~80 MB, over what one call may carry beside the ~44 MB checkout, packed ~9 MB. Arguments
 # name the binaries to pack (default: all of .device/; the libraries always go). Build first with
 # ./scripts/build.sh on a machine with nvcc (MOELORA_CUDA=AUTO builds the CUDA backend there).
 set -euo pipefail
@@ -20,5 +20,7 @@ for w in "$build"/dev/dev_*; do
 done
 mkdir -p "$root/.device-pack"
 names=${*:-$(cd "$root/.device" && ls -p | grep -v /)}
-tar -C "$root/.device" -cf - lib $names | xz -T0 -6 > "$root/.device-pack/device.tar.xz"
+# -9e: the 64 MiB dictionary spans binaries that share most of their kernels, so a second build of
+# a workbench beside the first (an A/B) adds ~0.1 MB instead of ~8 (2026-12-07: 5 binaries 9.4 MB).
+tar -C "$root/.device" -cf - lib $names | xz -T0 -9e > "$root/.device-pack/device.tar.xz"
 ls -la "$root/.device-pack" | awk '{print $5, $9}'; echo "packed: lib $names"

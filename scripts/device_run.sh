@@ -318,7 +318,7 @@ for stage in $stages; do
       timeout 120 ./.device/dev_attention_block_a deepseek --iters 20 > $out/attention_block_deepseek_a.log 2>&1
       echo "A exit $?"; grep -v "^#" $out/attention_block_deepseek_a.log | tail -13
     fi
-    for Ta in "1 0" "64 0"; do ncu_attention_block deepseek $Ta; done ;;
+    for Ta in "1 0" "1 8" "64 0"; do ncu_attention_block deepseek $Ta; done ;;
   mlaprof)
     # DeepSeek-V3's absorbed MLA block per kernel (issue 11): 1, 64 and 256 tokens, and 8 adapters
     # at 1 token; the block's own timing first.

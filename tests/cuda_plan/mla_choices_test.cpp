@@ -30,11 +30,20 @@ void expect_consistent(const MlaProblem& p, const MlaPlan& plan) {
   EXPECT_LE(plan.chunk_tokens, p.tokens);
   EXPECT_GE(plan.splits, 1);
   EXPECT_LE(plan.splits, kMlaMaxSplits);
-  EXPECT_EQ(plan.split_positions % kMlaTilePositions, 0);
   EXPECT_TRUE(plan.query_cols == 32 || plan.query_cols == 128);
   EXPECT_TRUE(plan.output_cols == 32 || plan.output_cols == 128);
-  EXPECT_GE(int64_t{plan.splits} * plan.split_positions, p.max_positions);  // every position is in a split
-  EXPECT_LT(int64_t{plan.splits - 1} * plan.split_positions, p.max_positions);  // and no split is always empty
+  // Every token of the bound divides its context over the grid's splits: whole tiles, every
+  // position in exactly one split, no split empty; the longest context uses all of them.
+  for (int n : {1, 2, 63, 64, 65, 127, 128, 129, 513, p.max_positions / 2 + 1, p.max_positions - 1, p.max_positions}) {
+    if (n < 1 || n > p.max_positions) continue;
+    const MlaTokenSplit ts = mla_token_split(n, plan.splits);
+    EXPECT_EQ(ts.chunk % kMlaTilePositions, 0) << n;
+    EXPECT_GE(ts.count, 1) << n;
+    EXPECT_LE(ts.count, plan.splits) << n;
+    EXPECT_GE(int64_t{ts.count} * ts.chunk, n) << n;
+    EXPECT_LT(int64_t{ts.count - 1} * ts.chunk, n) << n;
+  }
+  EXPECT_EQ(mla_token_split(p.max_positions, plan.splits).count, plan.splits);
   const size_t rows = static_cast<size_t>(plan.chunk_tokens) * p.heads;
   EXPECT_GE(plan.latent_bytes, rows * p.latent * 4);
   EXPECT_GE(plan.lora_bytes, rows * p.lora_rank_stride * 4);
@@ -46,7 +55,9 @@ void expect_consistent(const MlaProblem& p, const MlaPlan& plan) {
   }
   for (size_t b : {plan.latent_bytes, plan.partial_bytes, plan.stats_bytes, plan.lora_bytes}) EXPECT_EQ(b % 256, 0u);
   // One pass fits the budget unless a single token exceeds it.
-  if (plan.chunk_tokens > 1) EXPECT_LE(plan.latent_bytes + plan.lora_bytes, kMlaScratchBudget + 512);
+  if (plan.chunk_tokens > 1) {
+    EXPECT_LE(plan.latent_bytes + plan.lora_bytes, kMlaScratchBudget + 512);
+  }
 }
 
 TEST(MlaPlan, LargeDecodeBatchRunsInOnePassWithoutSplits) {
@@ -64,8 +75,8 @@ TEST(MlaPlan, SingleTokenLongContextIsSplitOverPositions) {
   const MlaPlan plan = choose_mla_plan(p);
   expect_consistent(p, plan);
   // 2 head groups of 64 want ceil(132 / 2) = 66 splits; 4096 / 128 allows 32: 128 positions each.
-  EXPECT_EQ(plan.split_positions, 128);
   EXPECT_EQ(plan.splits, 32);
+  EXPECT_EQ(mla_token_split(4096, plan.splits).chunk, 128);
 }
 
 TEST(MlaPlan, ShortContextsAreNotSplit) {
@@ -73,7 +84,7 @@ TEST(MlaPlan, ShortContextsAreNotSplit) {
   const MlaPlan plan = choose_mla_plan(p);
   expect_consistent(p, plan);
   EXPECT_EQ(plan.splits, 1);
-  EXPECT_EQ(plan.split_positions, 128);  // 100 rounded up to whole 64-position tiles
+  EXPECT_EQ(mla_token_split(100, plan.splits).chunk, 128);  // 100 rounded up to whole 64-position tiles
 }
 
 TEST(MlaPlan, HeadsPerLatentBlockAreWholeGroupsOf16UpTo64) {
@@ -108,7 +119,12 @@ TEST(MlaPlan, ACapturedGraphSizesItsSplitsForTheContextBound) {
   const MlaPlan plan = choose_mla_plan(p);
   expect_consistent(p, plan);
   EXPECT_EQ(plan.splits, 64);  // 66 wanted, kMlaMaxSplits allowed
-  EXPECT_EQ(plan.split_positions, 256);
+  EXPECT_EQ(mla_token_split(16384, plan.splits).chunk, 256);
+  // A short context in that grid uses only the splits it fills, 128 positions or more each: the
+  // eager step plans with the same bound (CudaBackend), so it runs these very splits too.
+  const MlaTokenSplit short_ctx = mla_token_split(513, plan.splits);
+  EXPECT_EQ(short_ctx.count, 5);
+  EXPECT_EQ(short_ctx.chunk, 128);
 }
 
 TEST(MlaPlan, LongPrefillRunsInPassesUnderTheBudget) {

@@ -6,8 +6,10 @@
 // earlier steps wrote. Tokens carry adapter slots (-1, an adapter without kv_b LoRA, several ranks).
 // Checked per step: the outputs, the cache rows written (exactly the token's c and k_pe), the output
 // padding; at the end, that no cache row nobody wrote (NaN on the device) was touched. Graph cases
-// run decode steps eagerly, then captured, then replayed with new inputs and other slots per token.
+// run decode steps eagerly, then captured, then replayed with new inputs and other slots per token,
+// and must equal, bit for bit, a twin backend that runs the same steps without graphs.
 #include <cmath>
+#include <memory>
 #include <numeric>
 
 #include "backends/cpu/cpu_backend.h"
@@ -115,11 +117,24 @@ TEST_P(MlaAbsorbed, MatchesCpu) {
   opts.mla_max_pass_tokens = c.pass_tokens;
   CudaBackend gpu(opts);
   const LinearWeight w_gpu = gpu.upload_linear(stored);
+  // Graph cases: a twin without graphs runs every step eagerly on the same inputs, and the graph's
+  // steps (capture and replays included) must give its bits. A token's KV splits do not depend on
+  // the grid (cuda_plan::mla_token_split; the cases' contexts stay under 128 positions per split of
+  // either grid), so the twin's unpadded batch computes every real token exactly as the padded one.
+  std::unique_ptr<CudaBackend> twin;
+  LinearWeight w_twin;
+  if (c.graph) {
+    CudaBackendOptions eager_opts = opts;
+    eager_opts.graphs = false;
+    twin = std::make_unique<CudaBackend>(eager_opts);
+    w_twin = twin->upload_linear(stored);
+  }
 
   // kv_b LoRA per adapter slot (one slot more than the case uses, never referenced).
   const int slots = static_cast<int>(c.ranks.size()) + 1;
   LoraModuleTable tab_cpu = cpu.alloc_lora_table(slots, c.R, out_rows);
   LoraModuleTable tab_gpu = gpu.alloc_lora_table(slots, c.R, out_rows);
+  LoraModuleTable tab_twin = twin ? twin->alloc_lora_table(slots, c.R, out_rows) : LoraModuleTable{};
   std::vector<std::vector<float>> factors;
   factors.reserve(2 * c.ranks.size());  // `a` below must stay valid while `b` is added
   std::vector<Tensor> keep;
@@ -128,6 +143,7 @@ TEST_P(MlaAbsorbed, MatchesCpu) {
     if (r == 0) {
       cpu.set_lora_slot(tab_cpu, s, Tensor(), Tensor(), 0);
       gpu.set_lora_slot(tab_gpu, s, Tensor(), Tensor(), 0);
+      if (twin) twin->set_lora_slot(tab_twin, s, Tensor(), Tensor(), 0);
       continue;
     }
     // A ~ N(0, 1/sqrt(R)), B ~ N(0, 0.5/sqrt(r)): the LoRA moves qc and out by about half their size.
@@ -142,6 +158,11 @@ TEST_P(MlaAbsorbed, MatchesCpu) {
     keep.push_back(gpu.upload(ah, DType::kBF16));
     keep.push_back(gpu.upload(bh, DType::kBF16));
     gpu.set_lora_slot(tab_gpu, s, keep[keep.size() - 2], keep.back(), r);
+    if (twin) {
+      keep.push_back(twin->upload(ah, DType::kBF16));
+      keep.push_back(twin->upload(bh, DType::kBF16));
+      twin->set_lora_slot(tab_twin, s, keep[keep.size() - 2], keep.back(), r);
+    }
   }
   const LoraModuleTable* lora_cpu = c.table ? &tab_cpu : nullptr;
   const LoraModuleTable* lora_gpu = c.table ? &tab_gpu : nullptr;
@@ -164,13 +185,15 @@ TEST_P(MlaAbsorbed, MatchesCpu) {
       }
     }
   MOELORA_CUDA_CHECK(cudaMemcpy(kv_gpu.k.data(), cache.data(), cache.size() * 2, cudaMemcpyHostToDevice));
+  KvLayer kv_twin = twin ? twin->alloc_kv_layer(num_pages, ps, 1, W, 0) : KvLayer{};
+  if (twin) MOELORA_CUDA_CHECK(cudaMemcpy(kv_twin.k.data(), cache.data(), cache.size() * 2, cudaMemcpyHostToDevice));
 
   // Device inputs at fixed addresses (a replayed graph reads them there), rows for the largest step
   // (graph steps: padded to their bucket); q and out with row padding.
   const int max_tokens = std::max(S, std::accumulate(c.fresh.begin(), c.fresh.end(), 0));
   const int cap = c.graph ? bucket_of(max_tokens) : max_tokens;
   const int64_t ldq = qw + 8, ldo = ow + 8;
-  DeviceArray<uint16_t> dq(cap * ldq), dckv(cap * W), dout(cap * ldo);
+  DeviceArray<uint16_t> dq(cap * ldq), dckv(cap * W), dout(cap * ldo), dout_twin(cap * ldo);
 
   for (int step = 0; step < c.steps; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
@@ -227,6 +250,22 @@ TEST_P(MlaAbsorbed, MatchesCpu) {
     EXPECT_CLOSE_ROWS(got, ref, T, ow, kMlaTol);
     std::printf("[ MLA      ] step %d: worst row relative error %.2e (bound %.0e)\n", step,
                 compare_rows(got, ref, T, ow).worst_rel, kMlaTol);
+    if (twin) {  // the eager twin, on the same device inputs
+      ASSERT_EQ(twin->begin_step(b).num_tokens(), T);
+      const Tensor tq = Tensor(dq.get(), DType::kBF16, {T, ldq}, Device::kCuda).slice_cols(0, qw);
+      const Tensor tckv(dckv.get(), DType::kBF16, {T, W}, Device::kCuda);
+      const Tensor tout = Tensor(dout_twin.get(), DType::kBF16, {T, ldo}, Device::kCuda).slice_cols(0, ow);
+      twin->mla_attention_absorbed(tq, tckv.slice_cols(0, c.R), tckv.slice_cols(c.R, c.rope), w_twin,
+                                   c.table ? &tab_twin : nullptr, kv_twin, c.heads, c.nope, c.v, scale, tout);
+      twin->end_step_body(tout);
+      twin->synchronize();
+      const std::vector<uint16_t> eager_bits = dout_twin.download();
+      int differ = 0;
+      for (int t = 0; t < T; ++t)
+        for (int j = 0; j < ow; ++j) differ += eager_bits[t * ldo + j] != got_bits[t * ldo + j];
+      EXPECT_EQ(differ, 0) << "of " << T * ow << " values differ from the eager twin's (mode "
+                           << static_cast<int>(mode) << ")";
+    }
     bool padding_intact = dout.guard_intact();
     for (int t = 0; t < cap; ++t)
       for (int64_t j = ow; j < ldo; ++j) padding_intact = padding_intact && got_bits[t * ldo + j] == 0xA5A5;

@@ -730,7 +730,9 @@ void CudaBackend::mla_attention_absorbed(const Tensor& q, const Tensor& latent, 
   pr.num_sms = sms;
   pr.max_chunk_tokens = opts_.mla_max_pass_tokens;
   // A capture sizes the KV splits for the longest context its replays may bring (the begin_step
-  // bound), so the grid stays the same for every replay.
+  // bound), so the grid stays the same for every replay; an eager step plans with the same bound
+  // (or its own longer context), so it runs the splits its graph would: each token divides its
+  // context over them on the device (cuda_plan::mla_token_split), and replay gives eager's bits.
   if (mode_ == StepMode::kCapture) {
     pr.max_positions = kGraphMaxPositions;
   } else {
@@ -738,7 +740,7 @@ void CudaBackend::mla_attention_absorbed(const Tensor& q, const Tensor& latent, 
       step_max_positions_ = 1;
       for (int32_t pos : batch_.positions) step_max_positions_ = std::max(step_max_positions_, pos + 1);
     }
-    pr.max_positions = step_max_positions_;
+    pr.max_positions = std::max(step_max_positions_, kGraphMaxPositions);
   }
   const cuda_plan::MlaPlan plan = cuda_plan::choose_mla_plan(pr);
 

@@ -33,12 +33,11 @@ MlaPlan choose_mla_plan(const MlaProblem& p) {
   int64_t splits = 1;
   if (blocks < target) {
     const int64_t want = ceil_div(target, blocks);
-    const int64_t by_positions = std::max<int64_t>(1, p.max_positions / kMlaMinSplitPositions);
+    const int64_t by_positions = ceil_div(p.max_positions, kMlaMinSplitPositions);
     splits = std::min({want, by_positions, int64_t{kMlaMaxSplits}});
   }
-  const int64_t per_split = ceil_div(ceil_div(p.max_positions, splits), kMlaTilePositions) * kMlaTilePositions;
-  plan.split_positions = static_cast<int>(per_split);
-  plan.splits = static_cast<int>(ceil_div(p.max_positions, per_split));  // rounding may leave fewer
+  // The most any token of the bound uses (rounding to whole tiles may leave fewer than asked).
+  plan.splits = mla_token_split(p.max_positions, static_cast<int>(splits)).count;
 
   // Absorption column chunks: wide where the wide grid still gives every SM two blocks, narrow
   // (4x the blocks) where it would not. Not yet measured against each other; at 64 tokens the wide

@@ -3,10 +3,13 @@
 // - how many tokens one pass of the kernels takes: their float32 scratch (the absorbed query, later
 //   the latent output, and the kv_b LoRA's rank-r sums) is per token and head, ~256 KiB per token
 //   at DeepSeek-V3's 128 heads, so a long prefill chunk runs in passes under a fixed budget;
-// - how many KV splits the latent attention uses: its grid is tokens x head groups (of up to 64
+// - how many KV splits the latent attention may use: its grid is tokens x head groups (of up to 64
 //   heads), which at small decode batches leaves most SMs idle (1 token x 2 head groups on 132
 //   SMs), so each (token, head group) is split over its positions and the splits are merged
-//   afterwards (flash-decoding);
+//   afterwards (flash-decoding). The plan fixes the grid's split count from the context bound
+//   (a captured graph's, or the eager step's own, whichever is larger), and each token divides its
+//   own context over those splits on the device (mla_token_split), so an eager step and the replay
+//   of its graph run the same splits and give the same bits;
 // - how many output columns a block of each absorption takes (32 or 128): narrow chunks put more
 //   blocks in flight for the weight stream of a decode step, wide ones read each token's input row
 //   (for the output absorption the float32 latent output, 2 KiB per head) fewer times.
@@ -28,6 +31,28 @@ inline constexpr int kMlaMaxLatent = 512;
 inline constexpr int kMlaMaxLatentWidth = 768;
 inline constexpr int kMlaMaxSplits = 64;          // the merge keeps one weight per split in shared memory
 inline constexpr int kMlaMinSplitPositions = 128;  // below this a split is not worth its merge
+
+#if defined(__CUDACC__)
+#define MOELORA_MLA_HD __host__ __device__ __forceinline__
+#else
+#define MOELORA_MLA_HD inline
+#endif
+
+// How a token of `n` positions uses a grid of `max_splits` splits: `count` splits of `chunk`
+// positions (whole 64-position tiles, the last split shorter), none empty, at least
+// kMlaMinSplitPositions per split where the context has them. The kernels and the tests agree
+// on it through this one function.
+struct MlaTokenSplit {
+  int chunk;
+  int count;
+};
+MOELORA_MLA_HD MlaTokenSplit mla_token_split(int n, int max_splits) {
+  int want = (n + kMlaMinSplitPositions - 1) / kMlaMinSplitPositions;
+  want = want < 1 ? 1 : want;
+  const int ns = max_splits < want ? max_splits : want;
+  const int chunk = ((n + ns - 1) / ns + kMlaTilePositions - 1) / kMlaTilePositions * kMlaTilePositions;
+  return {chunk, (n + chunk - 1) / chunk};
+}
 inline constexpr size_t kMlaScratchBudget = size_t{128} << 20;  // per pass, float32 scratch
 
 // Heads one latent-attention block takes: 16 per row group, up to 4 row groups.
@@ -39,15 +64,14 @@ struct MlaProblem {
   int latent = 0;            // kv_lora_rank R
   int v_dim = 0;             // value head dim (the output absorption's columns)
   int lora_rank_stride = 0;  // ranks the LoRA scratch holds per (token, head); 0 = no kv_b LoRA
-  int max_positions = 0;     // longest context a token attends to (a captured graph: its bound)
+  int max_positions = 0;     // the context bound: the longest a token of this grid may attend to
   int num_sms = 132;
   int max_chunk_tokens = 0;  // > 0: at most this many tokens per pass (tests)
 };
 
 struct MlaPlan {
   int chunk_tokens = 0;     // tokens per pass (the last pass may take fewer)
-  int splits = 1;           // KV splits per (token, head group)
-  int split_positions = 0;  // positions per split, a multiple of kMlaTilePositions
+  int splits = 1;           // KV splits per (token, head group) in the grid (mla_token_split: how many a token uses)
   int query_cols = 128;     // output columns per query-absorption block: 32 or 128
   int output_cols = 128;    // output columns per output-absorption block: 32 or 128
   // Scratch of one pass, each part 256-byte aligned, laid out in this order.

@@ -90,6 +90,97 @@ __device__ __forceinline__ TokenLora token_lora(const MlaAbsorbedParams& p, int 
   return l;
 }
 
+__device__ __forceinline__ bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+// The token's cache row: (c, k_pe) of tokens [t_first, t_first + nt) of the pass, token tt by the
+// block whose x index is tt mod `stride` (the caller's blocks x = 0 .. stride - 1), 16-byte chunks
+// where every row allows them.
+__device__ __forceinline__ void write_cache_rows(const MlaAbsorbedParams& p, int t_first, int nt, int x, int stride) {
+  const int width = p.R + p.rope;
+  const bool vec = p.R % 8 == 0 && p.rope % 8 == 0 && p.ld_latent % 8 == 0 && p.ld_k_pe % 8 == 0 &&
+                   aligned16(p.latent) && aligned16(p.k_pe) && aligned16(p.cache);
+  for (int tt = x; tt < nt; tt += stride) {
+    const int t = t_first + tt;
+    bf16* row = p.cache + paged_cache_row(seq_pages(p, t), p.page_size, p.positions[t]) * width;
+    const bf16* c = p.latent + static_cast<int64_t>(t) * p.ld_latent;
+    const bf16* pe = p.k_pe + static_cast<int64_t>(t) * p.ld_k_pe;
+    if (vec) {
+      for (int i = 8 * threadIdx.x; i < width; i += 8 * blockDim.x)
+        *reinterpret_cast<uint4*>(row + i) = *reinterpret_cast<const uint4*>(i < p.R ? c + i : pe + i - p.R);
+    } else {
+      for (int i = threadIdx.x; i < width; i += blockDim.x) row[i] = i < p.R ? c[i] : pe[i - p.R];
+    }
+  }
+}
+
+// Whether the absorption's A rows can be staged 8 values at a time: q_nope rows (bf16, by cp.async)
+// start 16-byte aligned, or the float32 latent rows (the scratch is 256-byte aligned) hold whole
+// 8-value groups.
+template <bool kOutput>
+__device__ __forceinline__ bool a_rows_vectorizable(const MlaAbsorbedParams& p) {
+  if constexpr (kOutput)
+    return p.R % 8 == 0;
+  else
+    return p.nope % 8 == 0 && (p.nope + p.rope) % 8 == 0 && p.ld_q % 8 == 0 && aligned16(p.q);
+}
+
+// Stages A rows [0, arows) x K values [k0, k0 + kp) of the absorption as bf16 (zeros past the nt
+// tokens and past kn values). Each thread has several 16-byte loads in flight: one element per
+// thread and iteration left every load's latency exposed (ncu, H100, 2026-12-07).
+template <bool kOutput>
+__device__ __forceinline__ void stage_a_slice(const MlaAbsorbedParams& p, bf16* As, int t_first, int tt_first, int nt,
+                                              int arows, int h, int k0, int kn, int kp, const float* lat, bool vec) {
+  if (vec) {
+    const int chunks = kp / 8, total = arows * chunks;
+    if constexpr (!kOutput) {
+      for (int idx = threadIdx.x; idx < total; idx += blockDim.x) {
+        const int r = idx / chunks, c = idx % chunks;
+        const bool ok = r < nt && c * 8 < kn;
+        const bf16* src = p.q + static_cast<int64_t>(t_first + r) * p.ld_q +
+                          static_cast<int64_t>(h) * (p.nope + p.rope) + k0 + c * 8;
+        cp_async<16>(As + r * kAbsorbPitch + c * 8, ok ? src : p.q, ok);
+      }
+      cp_async_commit();
+    } else {
+      constexpr int kBatch = 4;
+      for (int base = threadIdx.x; base < total; base += kBatch * blockDim.x) {
+        float4 lo[kBatch], hi[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int idx = base + u * blockDim.x, r = idx / chunks, c = idx % chunks;
+          lo[u] = hi[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          if (idx < total && r < nt && c * 8 < kn) {
+            const float4* src = reinterpret_cast<const float4*>(
+                lat + (static_cast<int64_t>(tt_first + r) * p.heads + h) * p.R + k0 + c * 8);
+            lo[u] = src[0];
+            hi[u] = src[1];
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int idx = base + u * blockDim.x, r = idx / chunks, c = idx % chunks;
+          if (idx < total)
+            *reinterpret_cast<uint4*>(As + r * kAbsorbPitch + c * 8) =
+                make_uint4(pack_bf16x2(lo[u].x, lo[u].y), pack_bf16x2(lo[u].z, lo[u].w), pack_bf16x2(hi[u].x, hi[u].y),
+                           pack_bf16x2(hi[u].z, hi[u].w));
+        }
+      }
+    }
+    return;
+  }
+  for (int idx = threadIdx.x; idx < arows * kp; idx += blockDim.x) {
+    const int r = idx / kp, c = idx % kp;
+    float v = 0.0f;
+    if (r < nt && c < kn) {
+      if constexpr (kOutput)
+        v = lat[(static_cast<int64_t>(tt_first + r) * p.heads + h) * p.R + k0 + c];
+      else
+        v = bf(p.q[static_cast<int64_t>(t_first + r) * p.ld_q + static_cast<int64_t>(h) * (p.nope + p.rope) + k0 + c]);
+    }
+    As[r * kAbsorbPitch + c] = __float2bfloat16_rn(v);
+  }
+}
+
 // ---- 1 and 6. The absorptions: C[m][n] = sum_k A[m][k] W[n][k] for one head, bf16 operands,
 // float32 accumulation.
 //   kOutput false (query_absorb): A = q_nope (bf16 rows of q), W = W_UK_h^T [R][nope], C -> the
@@ -111,21 +202,17 @@ __global__ void __launch_bounds__(kAbsorbThreads) absorb_kernel(MlaAbsorbedParam
   const int K = kOutput ? p.R : p.nope, N = kOutput ? p.v_dim : p.R;
   const bf16* w = (kOutput ? p.w_uv : p.w_uk_t) + static_cast<int64_t>(h) * N * K;
 
-  if (!kOutput && h == 0 && blockIdx.y == 0) {  // every token of the pass enters the cache once
-    const int width = p.R + p.rope;
-    for (int tt = 0; tt < nt; ++tt) {
-      const int t = t0 + tt0 + tt;
-      bf16* row = p.cache + paged_cache_row(seq_pages(p, t), p.page_size, p.positions[t]) * width;
-      const bf16* c = p.latent + static_cast<int64_t>(t) * p.ld_latent;
-      const bf16* pe = p.k_pe + static_cast<int64_t>(t) * p.ld_k_pe;
-      for (int i = tid; i < width; i += kAbsorbThreads) row[i] = i < p.R ? c[i] : pe[i - p.R];
-    }
+  if constexpr (!kOutput) {
+    // Every token of the pass enters the cache once: token tt of this chunk by the column-chunk-0
+    // block of head tt mod heads (one block writing all 64 rows serially took 184 us, ncu, H100).
+    if (blockIdx.y == 0) write_cache_rows(p, t0 + tt0, nt, h, gridDim.x);
   }
   const bool warp_rows = warp * 16 < nt;  // warp-uniform: the warp has a token
   float acc[NTW][4];
 #pragma unroll
   for (int j = 0; j < NTW; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   const bool w_vec = K % 8 == 0;  // W rows start 16-byte aligned (its own allocation, K values per row)
+  const bool a_vec = a_rows_vectorizable<kOutput>(p);
   const int arows = min(kAbsorbRows, (nt + 15) / 16 * 16);  // A rows staged: those of warps with a token
   for (int k0 = 0; k0 < K; k0 += kAbsorbK) {
     const int kn = min(kAbsorbK, K - k0), kp = (kn + 15) / 16 * 16;
@@ -146,17 +233,7 @@ __global__ void __launch_bounds__(kAbsorbThreads) absorb_kernel(MlaAbsorbedParam
       }
     }
     // A slice: the rows of the warps that have a token (zeros past the pass's tokens and K).
-    for (int idx = tid; idx < arows * kp; idx += kAbsorbThreads) {
-      const int r = idx / kp, c = idx % kp;
-      float v = 0.0f;
-      if (r < nt && c < kn) {
-        if constexpr (kOutput)
-          v = lat[(static_cast<int64_t>(tt0 + r) * p.heads + h) * p.R + k0 + c];
-        else
-          v = bf(p.q[static_cast<int64_t>(t0 + tt0 + r) * p.ld_q + static_cast<int64_t>(h) * (p.nope + p.rope) + k0 + c]);
-      }
-      As[r * kAbsorbPitch + c] = __float2bfloat16_rn(v);
-    }
+    stage_a_slice<kOutput>(p, As, t0 + tt0, tt0, nt, arows, h, k0, kn, kp, lat, a_vec);
     cp_async_wait<0>();
     __syncthreads();
     if (warp_rows) {
@@ -193,33 +270,53 @@ __global__ void __launch_bounds__(kAbsorbThreads) absorb_kernel(MlaAbsorbedParam
         }
     } else {
       const TokenLora lo = ua ? token_lora(p, t0 + tt) : TokenLora{};
-      const float* u = lo.rank ? ua + (static_cast<int64_t>(tt) * p.heads + h) * p.lora_rank_stride : nullptr;
       bf16* dst = p.out + static_cast<int64_t>(t0 + tt) * p.ld_out + static_cast<int64_t>(h) * p.v_dim;
-      const int F = p.nope + p.v_dim;
+      // B_UV_h u: rows h * F + nope + n of the kv_b LoRA's B. The rank loop is outside 4 n-tiles
+      // (8 columns of the thread) so that their loads are in flight together (each column's own
+      // loop was a chain of dependent round trips); each column still sums k in order.
+      const float* u = lo.rank ? ua + (static_cast<int64_t>(tt) * p.heads + h) * p.lora_rank_stride : nullptr;
+      const bf16* b = lo.rank ? lo.b + (static_cast<int64_t>(h) * (p.nope + p.v_dim) + p.nope + n0 + 2 * q) * lo.rank
+                              : nullptr;
+      constexpr int kJ = NTW < 4 ? NTW : 4;
 #pragma unroll
-      for (int j = 0; j < NTW; ++j)
+      for (int j0 = 0; j0 < NTW; j0 += kJ) {
+        float lora[kJ][2];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int n = n0 + j * 8 + 2 * q + e;
-          if (n >= N) continue;
-          float v = acc[j][2 * half + e];
-          if (u) {  // B_UV_h row n: kv_b LoRA B row h * F + nope + n
-            const bf16* b = lo.b + (static_cast<int64_t>(h) * F + p.nope + n) * lo.rank;
-            float s = 0.0f;
-            for (int k = 0; k < lo.rank; ++k) s += bf(b[k]) * u[k];
-            v += s;
+        for (int j = 0; j < kJ; ++j) lora[j][0] = lora[j][1] = 0.0f;
+        if (u) {
+#pragma unroll 4
+          for (int k = 0; k < lo.rank; ++k) {
+            const float uk = u[k];
+#pragma unroll
+            for (int j = 0; j < kJ; ++j)
+#pragma unroll
+              for (int e = 0; e < 2; ++e)
+                if (n0 + (j0 + j) * 8 + 2 * q + e < N)
+                  lora[j][e] += bf(b[static_cast<int64_t>((j0 + j) * 8 + e) * lo.rank + k]) * uk;
           }
-          dst[n] = __float2bfloat16_rn(v);
         }
+#pragma unroll
+        for (int j = 0; j < kJ; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int n = n0 + (j0 + j) * 8 + 2 * q + e;
+            if (n < N) dst[n] = __float2bfloat16_rn(acc[j0 + j][2 * half + e] + lora[j][e]);
+          }
+      }
     }
   }
 }
 
 // ---- 2. qc += A^T (B_UK_h^T q_nope_h) for the token's adapter: u = B_UK_h^T q_nope_h per head
-// (rank values; a warp per (head, rank) pair, its lanes over nope), then A^T u with each row of A
-// read once for the block's heads.
+// (rank values), then A^T u with each row of A read once for the block's heads. For u, the two
+// warps of a head take alternate 32-value runs of nope, each lane reads its rows of B (r values
+// each, 16 at a time) and the warps' sums meet in shared memory in a fixed order; a warp per
+// (head, rank) pair with one load after another was 8 round trips per warp.
+constexpr int kLoraRankChunk = 16;
+constexpr int kLoraWarpsPerHead = kLoraThreads / 32 / kLoraHeads;
+static_assert(kLoraWarpsPerHead * kLoraHeads * 32 == kLoraThreads, "whole warps per head");
 __global__ void __launch_bounds__(kLoraThreads) lora_query_kernel(MlaAbsorbedParams p, int t0, float* lat) {
-  __shared__ float u[kLoraHeads][kLoraMaxRank];
+  __shared__ float part[kLoraHeads][kLoraWarpsPerHead][kLoraMaxRank];
   pdl_wait();
   pdl_trigger();
   const int tl = blockIdx.x, t = t0 + tl;
@@ -228,30 +325,67 @@ __global__ void __launch_bounds__(kLoraThreads) lora_query_kernel(MlaAbsorbedPar
   const int r = lo.rank, h0 = blockIdx.y * kLoraHeads, nh = min(kLoraHeads, p.heads - h0);
   const int F = p.nope + p.v_dim, qh = p.nope + p.rope;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int pair = warp; pair < nh * r; pair += kLoraThreads / 32) {
-    const int hc = pair / r, k = pair % r, h = h0 + hc;
+  const int hc = warp / kLoraWarpsPerHead, wh = warp % kLoraWarpsPerHead, h = h0 + hc;
+  if (hc < nh) {
     const bf16* qn = p.q + static_cast<int64_t>(t) * p.ld_q + static_cast<int64_t>(h) * qh;
-    const bf16* bcol = lo.b + static_cast<int64_t>(h) * F * r + k;  // B row h*F + d, column k
-    float s = 0.0f;
-    for (int d = lane; d < p.nope; d += 32) s += bf(qn[d]) * bf(bcol[static_cast<int64_t>(d) * r]);
-    s = warp_sum(s);
-    if (lane == 0) u[hc][k] = s;
+    const bf16* bh = lo.b + static_cast<int64_t>(h) * F * r;  // B rows h*F + d, r values each
+    for (int kc = 0; kc < r; kc += kLoraRankChunk) {
+      float acc[kLoraRankChunk];
+#pragma unroll
+      for (int k = 0; k < kLoraRankChunk; ++k) acc[k] = 0.0f;
+#pragma unroll 2
+      for (int d = 32 * wh + lane; d < p.nope; d += 32 * kLoraWarpsPerHead) {
+        const float x = bf(qn[d]);
+        const bf16* brow = bh + static_cast<int64_t>(d) * r + kc;
+#pragma unroll
+        for (int k = 0; k < kLoraRankChunk; ++k)
+          if (kc + k < r) acc[k] += x * bf(brow[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < kLoraRankChunk; ++k) {
+        const float v = warp_sum(acc[k]);
+        if (lane == 0 && kc + k < r) part[hc][wh][kc + k] = v;
+      }
+    }
+  } else {  // a head past the model's (an odd last group): zeros, read below but never stored
+    for (int k = lane; k < r; k += 32) part[hc][wh][k] = 0.0f;
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < p.R; i += kLoraThreads) {
-    float acc[kLoraHeads];
+  constexpr int kI = 4;  // values of a row of A per thread and round, their loads in flight together
+  for (int i0 = threadIdx.x; i0 < p.R; i0 += kI * kLoraThreads) {
+    float acc[kI][kLoraHeads];
 #pragma unroll
-    for (int hc = 0; hc < kLoraHeads; ++hc) acc[hc] = 0.0f;
+    for (int ii = 0; ii < kI; ++ii)
+#pragma unroll
+      for (int c = 0; c < kLoraHeads; ++c) acc[ii][c] = 0.0f;
+#pragma unroll 4
     for (int k = 0; k < r; ++k) {
-      const float a = bf(lo.a[static_cast<int64_t>(k) * p.R + i]);
+      float uk[kLoraHeads];
 #pragma unroll
-      for (int hc = 0; hc < kLoraHeads; ++hc)
-        if (hc < nh) acc[hc] += u[hc][k] * a;
+      for (int c = 0; c < kLoraHeads; ++c) {
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kLoraWarpsPerHead; ++w) s += part[c][w][k];
+        uk[c] = s;
+      }
+      const bf16* arow = lo.a + static_cast<int64_t>(k) * p.R;
+#pragma unroll
+      for (int ii = 0; ii < kI; ++ii) {
+        const int i = i0 + ii * kLoraThreads;
+        const float a = i < p.R ? bf(arow[i]) : 0.0f;
+#pragma unroll
+        for (int c = 0; c < kLoraHeads; ++c) acc[ii][c] += uk[c] * a;
+      }
     }
-    float* dst = lat + (static_cast<int64_t>(tl) * p.heads + h0) * p.R + i;
 #pragma unroll
-    for (int hc = 0; hc < kLoraHeads; ++hc)
-      if (hc < nh) dst[static_cast<int64_t>(hc) * p.R] += acc[hc];
+    for (int ii = 0; ii < kI; ++ii) {
+      const int i = i0 + ii * kLoraThreads;
+      if (i >= p.R) continue;
+      float* dst = lat + (static_cast<int64_t>(tl) * p.heads + h0) * p.R + i;
+#pragma unroll
+      for (int c = 0; c < kLoraHeads; ++c)
+        if (c < nh) dst[static_cast<int64_t>(c) * p.R] += acc[ii][c];
+    }
   }
 }
 
@@ -319,6 +453,64 @@ __device__ __forceinline__ void stage_tile(const MlaAbsorbedParams& p, const int
   }
 }
 
+// The block's query in shared memory: qc (the float32 scratch) rounded to bf16, then q_pe as it
+// is, zeros past R + rope and for heads the model does not have; one swizzle chunk (8 values) per
+// item and several items' loads in flight per thread where rows allow 16-byte loads (element by
+// element, the staging's exposed load latency was most of the kernel at one token, ncu, H100).
+__device__ __forceinline__ void stage_query(const MlaAbsorbedParams& p, const LatentShape& sh, int t, int tl,
+                                            int h_block, int hb, const float* lat, bf16* Qs) {
+  const int qh = p.nope + p.rope;
+  const bool vec = p.R % 8 == 0 && p.rope % 8 == 0 && p.nope % 8 == 0 && p.ld_q % 8 == 0 && aligned16(p.q);
+  if (!vec) {
+    for (int idx = threadIdx.x; idx < hb * sh.cols; idx += blockDim.x) {
+      const int hl = idx / sh.cols, c = idx % sh.cols, h = h_block + hl;
+      float v = 0.0f;
+      if (h < p.heads) {
+        if (c < p.R)
+          v = lat[(static_cast<int64_t>(tl) * p.heads + h) * p.R + c];
+        else if (c < p.R + p.rope)
+          v = bf(p.q[static_cast<int64_t>(t) * p.ld_q + static_cast<int64_t>(h) * qh + p.nope + c - p.R]);
+      }
+      Qs[swz(hl, c, sh.cols)] = __float2bfloat16_rn(v);
+    }
+    return;
+  }
+  constexpr int kBatch = 4;
+  const int chunks = sh.cols / 8, total = hb * chunks;
+  for (int base = threadIdx.x; base < total; base += kBatch * blockDim.x) {
+    float4 lo[kBatch], hi[kBatch];
+    uint4 pe[kBatch];
+    int kind[kBatch];  // 0: zeros, 1: qc (lo, hi), 2: q_pe
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int idx = base + u * blockDim.x, hl = idx / chunks, c = idx % chunks * 8, h = h_block + hl;
+      kind[u] = 0;
+      lo[u] = hi[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      pe[u] = make_uint4(0, 0, 0, 0);
+      if (idx >= total || h >= p.heads) continue;
+      if (c < p.R) {
+        const float4* src = reinterpret_cast<const float4*>(lat + (static_cast<int64_t>(tl) * p.heads + h) * p.R + c);
+        lo[u] = src[0];
+        hi[u] = src[1];
+        kind[u] = 1;
+      } else if (c < p.R + p.rope) {
+        pe[u] = *reinterpret_cast<const uint4*>(p.q + static_cast<int64_t>(t) * p.ld_q + static_cast<int64_t>(h) * qh +
+                                                p.nope + c - p.R);
+        kind[u] = 2;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int idx = base + u * blockDim.x, hl = idx / chunks, c = idx % chunks * 8;
+      if (idx >= total) continue;
+      const uint4 v = kind[u] == 1 ? make_uint4(pack_bf16x2(lo[u].x, lo[u].y), pack_bf16x2(lo[u].z, lo[u].w),
+                                                pack_bf16x2(hi[u].x, hi[u].y), pack_bf16x2(hi[u].z, hi[u].w))
+                                   : pe[u];
+      *reinterpret_cast<uint4*>(Qs + swz(hl, c, sh.cols)) = v;
+    }
+  }
+}
+
 __device__ __forceinline__ void pair_sync(int rg) {  // the two warps of row group rg
   asm volatile("bar.sync %0, 64;\n" ::"r"(1 + rg) : "memory");
 }
@@ -327,8 +519,8 @@ __device__ __forceinline__ void pair_sync(int rg) {  // the two warps of row gro
 // block; it computes S for positions [32 (w % 2), + 32) of each tile and O for columns
 // [(w % 2) half_cols, + half_cols), exchanging row maxima and P with its pair (the other w % 2).
 __global__ void __launch_bounds__(64 * kMaxRowGroups, 1)
-    latent_attention_kernel(MlaAbsorbedParams p, LatentShape sh, int t0, int splits, int split_positions, float* lat,
-                            float* part_o, float* part_stats) {
+    latent_attention_kernel(MlaAbsorbedParams p, LatentShape sh, int t0, int splits, float* lat, float* part_o,
+                            float* part_stats) {
   extern __shared__ __align__(16) bf16 smem[];
   pdl_wait();
   pdl_trigger();
@@ -337,8 +529,9 @@ __global__ void __launch_bounds__(64 * kMaxRowGroups, 1)
   const int rg = warp / 2, ch = warp % 2;
   const int hb = 16 * sh.row_groups, h_block = blockIdx.y * hb;
   const int n = p.positions[t] + 1;
-  const int begin = blockIdx.z * split_positions, end = min(n, begin + split_positions);
-  if (begin >= end) return;  // the whole block: this split lies past the token's context
+  const cuda_plan::MlaTokenSplit ts = cuda_plan::mla_token_split(n, splits);
+  if (static_cast<int>(blockIdx.z) >= ts.count) return;  // the whole block: the token uses fewer splits
+  const int begin = blockIdx.z * ts.chunk, end = min(n, begin + ts.chunk);
   const int32_t* pages = seq_pages(p, t);
   bf16* Qs = smem;
   bf16* tiles = smem + hb * sh.cols;
@@ -347,19 +540,7 @@ __global__ void __launch_bounds__(64 * kMaxRowGroups, 1)
 
   stage_tile(p, pages, begin, min(kTile, end - begin), sh, tiles);
   cp_async_commit();
-  // The query: qc (float32 scratch) rounded to bf16, q_pe as it is, zeros past R + rope and for
-  // heads the model does not have.
-  for (int idx = threadIdx.x; idx < hb * sh.cols; idx += blockDim.x) {
-    const int hl = idx / sh.cols, c = idx % sh.cols, h = h_block + hl;
-    float v = 0.0f;
-    if (h < p.heads) {
-      if (c < p.R)
-        v = lat[(static_cast<int64_t>(tl) * p.heads + h) * p.R + c];
-      else if (c < p.R + p.rope)
-        v = bf(p.q[static_cast<int64_t>(t) * p.ld_q + static_cast<int64_t>(h) * (p.nope + p.rope) + p.nope + c - p.R]);
-    }
-    Qs[swz(hl, c, sh.cols)] = __float2bfloat16_rn(v);
-  }
+  stage_query(p, sh, t, tl, h_block, hb, lat, Qs);
 
   const float qs = p.scale * kLog2e;  // scores in the exp2 domain
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
@@ -525,15 +706,14 @@ __global__ void __launch_bounds__(64 * kMaxRowGroups, 1)
 
 // ---- 4. Merge of the KV splits of each (token, head): o = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s
 // over the splits that hold positions of the token (the others never ran).
-__global__ void __launch_bounds__(128) merge_splits_kernel(MlaAbsorbedParams p, int t0, int splits,
-                                                             int split_positions, float* lat, const float* part_o,
-                                                             const float* part_stats) {
+__global__ void __launch_bounds__(128) merge_splits_kernel(MlaAbsorbedParams p, int t0, int splits, float* lat,
+                                                             const float* part_o, const float* part_stats) {
   __shared__ float weight[kMlaMaxSplits];
   pdl_wait();
   pdl_trigger();
   const int64_t row = blockIdx.x;  // token-in-pass * heads + head
   const int t = t0 + static_cast<int>(row / p.heads);
-  const int used = min(splits, (p.positions[t] + split_positions) / split_positions);
+  const int used = cuda_plan::mla_token_split(p.positions[t] + 1, splits).count;
   const float* stats = part_stats + row * splits * 2;
   float mx = -INFINITY;
   for (int s = 0; s < used; ++s) mx = fmaxf(mx, stats[2 * s]);
@@ -572,6 +752,7 @@ __global__ void __launch_bounds__(kLoraThreads) lora_output_shrink_kernel(MlaAbs
     float acc[kLoraHeads];
 #pragma unroll
     for (int hc = 0; hc < kLoraHeads; ++hc) acc[hc] = 0.0f;
+#pragma unroll 16  // R = 512: a lane's 16 loads of the row in flight together
     for (int i = lane; i < p.R; i += 32) {
       const float a = bf(arow[i]);
 #pragma unroll
@@ -663,13 +844,12 @@ void launch_mla_absorbed(const MlaAbsorbedParams& p, const cuda_plan::MlaPlan& p
                     p.R, p.rope, kMlaMaxLatent, kMlaMaxLatentWidth);
   MOELORA_CHECK_MSG(p.lora_a == nullptr || (p.lora_rank_stride >= 1 && p.lora_rank_stride <= kLoraMaxRank),
                     "absorbed MLA: LoRA rank stride {} outside 1..{}", p.lora_rank_stride, kLoraMaxRank);
-  MOELORA_CHECK_MSG(plan.splits >= 1 && plan.splits <= kMlaMaxSplits && plan.split_positions % kTile == 0 &&
-                        plan.chunk_tokens >= 1 && scratch_bytes >= plan.scratch_bytes() &&
+  MOELORA_CHECK_MSG(plan.splits >= 1 && plan.splits <= kMlaMaxSplits && plan.chunk_tokens >= 1 && scratch_bytes >= plan.scratch_bytes() &&
                         (plan.query_cols == 32 || plan.query_cols == 128) &&
                         (plan.output_cols == 32 || plan.output_cols == 128),
-                    "absorbed MLA plan: {} splits of {} positions, {} tokens per pass, {} of {} scratch bytes, "
+                    "absorbed MLA plan: {} splits, {} tokens per pass, {} of {} scratch bytes, "
                     "absorption columns {} / {}",
-                    plan.splits, plan.split_positions, plan.chunk_tokens, scratch_bytes, plan.scratch_bytes(),
+                    plan.splits, plan.chunk_tokens, scratch_bytes, plan.scratch_bytes(),
                     plan.query_cols, plan.output_cols);
   if (p.T == 0) return;
   char* base = static_cast<char*>(scratch);
@@ -692,12 +872,11 @@ void launch_mla_absorbed(const MlaAbsorbedParams& p, const cuda_plan::MlaPlan& p
       MOELORA_CUDA_CHECK_LAUNCH();
     }
     launch_pdl(latent_attention_kernel, dim3(tc, head_groups, plan.splits), dim3(64 * sh.row_groups),
-               static_cast<size_t>(attn_smem), stream, p, sh, t0, plan.splits, plan.split_positions, lat, part_o,
-               part_stats);
+               static_cast<size_t>(attn_smem), stream, p, sh, t0, plan.splits, lat, part_o, part_stats);
     MOELORA_CUDA_CHECK_LAUNCH();
     if (plan.splits > 1) {
-      launch_pdl(merge_splits_kernel, dim3(tc * p.heads), dim3(128), 0, stream, p, t0, plan.splits,
-                 plan.split_positions, lat, static_cast<const float*>(part_o), static_cast<const float*>(part_stats));
+      launch_pdl(merge_splits_kernel, dim3(tc * p.heads), dim3(128), 0, stream, p, t0, plan.splits, lat,
+                 static_cast<const float*>(part_o), static_cast<const float*>(part_stats));
       MOELORA_CUDA_CHECK_LAUNCH();
     }
     if (ua) {

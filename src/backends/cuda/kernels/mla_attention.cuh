@@ -9,15 +9,16 @@
 // Kernels, in launch order, per pass over at most plan.chunk_tokens tokens (cuda_plan::MlaPlan),
 // each launched with programmatic dependent launch:
 //  1. query_absorb   (heads x column chunks x 64-token chunks, bf16 tensor cores): qc = W_UK_h^T
-//                    q_nope into float32 scratch; the first blocks also write each token's (c, k_pe)
-//                    into its cache row.
-//  2. lora_query     (tokens x 8-head groups, only with kv_b LoRA): qc += A^T (B_UK_h^T q_nope).
+//                    q_nope into float32 scratch; the column-chunk-0 blocks also write the tokens' (c, k_pe)
+//                    into their cache rows, token tt by head block tt mod heads.
+//  2. lora_query     (tokens x 2-head groups, only with kv_b LoRA): qc += A^T (B_UK_h^T q_nope).
 //  3. latent_attention (tokens x head groups of up to 64 x KV splits, bf16 tensor cores): qc rounded
 //                    to bf16 as the query; S = Q K^T and O += P V over tiles of 64 cache rows in
 //                    shared memory; online softmax in the exp2 domain, P rounded to bf16; o in
-//                    float32 over qc in place (one split) or partial (m, l, o).
+//                    float32 over qc in place (one split) or partial (m, l, o); a token uses
+//                    cuda_plan::mla_token_split(its context, the grid's splits) of them.
 //  4. merge_splits   (only with splits > 1): o = sum_s w_s o_s / sum_s w_s l_s over qc's scratch.
-//  5. lora_output_shrink (tokens x 8-head groups, only with kv_b LoRA): u = A o per head (float32 o).
+//  5. lora_output_shrink (tokens x 2-head groups, only with kv_b LoRA): u = A o per head (float32 o).
 //  6. output_absorb  (heads x column chunks x 64-token chunks, bf16 tensor cores): out = W_UV_h o
 //                    (o rounded to bf16) + B_UV_h u, rounded once to bf16.
 // qc and o stay float32 between kernels; the tensor-core kernels round their operands to bf16 once
