@@ -40,8 +40,9 @@ MlaPlan choose_mla_plan(const MlaProblem& p) {
   plan.splits = mla_token_split(p.max_positions, static_cast<int>(splits)).count;
 
   // Absorption column chunks: wide where the wide grid still gives every SM two blocks, narrow
-  // (4x the blocks) where it would not. Not yet measured against each other; at 64 tokens the wide
-  // query absorption ran at 3 % of DRAM bandwidth (ncu, H100, bench/RESULTS.md): the first thing to try.
+  // (4x the blocks) where it would not. Not yet measured against each other. The wide query
+  // absorption's 3 % of DRAM at 64 tokens was not the chunking but one block writing every token's
+  // cache row; spread over the blocks it takes 24 us there (ncu, H100, 2026-12-07, bench/RESULTS.md).
   const int64_t token_chunks = ceil_div(plan.chunk_tokens, kMlaAbsorbTokens);
   auto cols_for = [&](int n) {
     const int64_t wide_blocks = int64_t{p.heads} * ceil_div(n, 128) * token_chunks;
