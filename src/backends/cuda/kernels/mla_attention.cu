@@ -58,7 +58,6 @@ constexpr int kLoraHeads = 2;
 constexpr int kLoraThreads = 128;
 constexpr int kLoraMaxRank = cuda_plan::kMaxLoraRank;  // set_lora_slot refuses higher ranks
 
-
 // The token's kv_b LoRA (rank 0: none). Slots outside the table never occur (the backend checks
 // eager steps; graphs only see the slots of placed adapters); they read as "no adapter" rather
 // than out of bounds.
@@ -79,7 +78,6 @@ __device__ __forceinline__ TokenLora token_lora(const MlaAbsorbedParams& p, int 
   l.rank = r;
   return l;
 }
-
 
 // The token's cache row: (c, k_pe) of tokens [t_first, t_first + nt) of the pass, token tt by the
 // block whose x index is tt mod `stride` (the caller's blocks x = 0 .. stride - 1), 16-byte chunks
@@ -437,7 +435,6 @@ __global__ void prepare_weights_kernel(MlaWeightPrep p) {
       p.w_uv[(static_cast<int64_t>(h) * p.v_dim + (d - p.nope)) * p.R + col] = __float2bfloat16_rn(w);
   }
 }
-
 
 template <bool kOutput, int NTW>
 constexpr size_t absorb_smem_bytes() {

@@ -1,14 +1,12 @@
 // DeepSeek MLA, absorbed form: the latent attention (step 3) and the merge of its KV splits (step
 // 4); the design notes are at the top of mla_attention.cu, the math in mla_attention.cuh.
-#include <cuda_fp8.h>
-#include <algorithm>
 #include <cmath>
+
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_utils.cuh"
 #include "backends/cuda/kernels/mla_attention.cuh"
-#include "backends/cuda_plan/shape_limits.h"
-#include "ops/weight_format.h"
 #include "backends/cuda/kernels/mla_internal.cuh"
+#include "backends/cuda_plan/mla_choices.h"
 
 namespace moelora::cuda {
 namespace {
